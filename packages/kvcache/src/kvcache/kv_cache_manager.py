@@ -1,0 +1,335 @@
+"""KVCacheManager: the scheduler's interface to the paged KV cache (one or more groups)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvcache.block import KVCacheBlock
+from kvcache.block_pool import BlockPool
+from kvcache.hashing import HashFn, sha256_hash
+from kvcache.request import Request
+from kvcache.single_type_manager import SingleTypeKVCacheManager, manager_class_for
+from kvcache.specs import KVCacheSpec, cdiv
+from kvcache.stats import PrefixCacheStats
+
+
+def _check_count(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+class CacheHit:
+    """Result of ``get_computed_blocks``: a prefix of ``num_tokens`` tokens already cached.
+
+    ``blocks`` holds one block list per group (null block where a group does not
+    need the block); ``block_ids`` is the same as ids. Pass it unchanged to
+    ``allocate_slots`` for the same request.
+    """
+
+    __slots__ = ("request_id", "num_tokens", "blocks")
+
+    def __init__(self, request_id: str, num_tokens: int, blocks: tuple[list[KVCacheBlock], ...]) -> None:
+        self.request_id = request_id
+        self.num_tokens = num_tokens
+        self.blocks = blocks
+
+    @property
+    def block_ids(self) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in group] for group in self.blocks)
+
+    def __repr__(self) -> str:
+        return f"CacheHit({self.request_id!r}, num_tokens={self.num_tokens}, block_ids={self.block_ids})"
+
+
+class KVCacheManager:
+    """Paged KV cache for one model: one KV cache group per spec, one shared block pool.
+
+    Protocol per step (the scheduler's side):
+
+    1. a new (or preempted, ``num_computed_tokens == 0``) request:
+       ``hit = get_computed_blocks(req)``, then
+       ``allocate_slots(req, n, hit=hit)`` with ``1 <= n <= req.num_tokens - hit.num_tokens``;
+    2. a running request: ``allocate_slots(req, n)``;
+    3. on success advance ``req.num_computed_tokens += hit_tokens + n``; append
+       sampled tokens with ``req.append_output_token_ids``;
+    4. ``free(req)`` on finish or preemption (then reset ``num_computed_tokens`` to 0).
+
+    ``allocate_slots`` returns the newly allocated block ids per group, or None when
+    the pool cannot serve the step. None changes nothing at all: no block taken, no
+    reference count moved, and the sliding-window skip is not applied either (it
+    is applied on the next successful call; blocks it would free count as
+    available, so the answer is the same as vLLM's, which frees them first).
+
+    Groups: every group must have the same ``block_size`` (one hash chain per
+    request serves all groups; mixed sizes raise ``ValueError``). A hit in a hybrid
+    model is the longest prefix every group accepts (fixed point: each group
+    returns its longest acceptable hit within the current candidate, the candidate
+    shrinks to the minimum until all agree). Cache keys include the group id.
+
+    Bad input raises (``ValueError``/``TypeError``/``KeyError``) before anything changes.
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[KVCacheSpec],
+        num_blocks: int,
+        max_model_len: int,
+        enable_caching: bool = True,
+        hash_fn: HashFn = sha256_hash,
+    ) -> None:
+        groups = list(groups)
+        if not groups:
+            raise ValueError("groups must hold at least one KVCacheSpec")
+        for spec in groups:
+            if not isinstance(spec, KVCacheSpec):
+                raise TypeError(f"groups must hold KVCacheSpec objects, got {type(spec).__name__}")
+            manager_class_for(spec)
+        block_sizes = {spec.block_size for spec in groups}
+        if len(block_sizes) != 1:
+            raise ValueError(f"all groups must share one block_size, got {sorted(block_sizes)}")
+        _check_count("max_model_len", max_model_len, 1)
+        self.groups = tuple(groups)
+        self.block_size = groups[0].block_size
+        self.max_model_len = max_model_len
+        self.enable_caching = bool(enable_caching)
+        self.hash_fn = hash_fn
+        self.block_pool = BlockPool(num_blocks, self.enable_caching, num_groups=len(groups))
+        self.managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
+            manager_class_for(spec)(spec, self.block_pool, gid) for gid, spec in enumerate(groups)
+        )
+        self._requests: dict[str, Request] = {}
+        self._stats = PrefixCacheStats()
+
+    # -- properties ----------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool, the null block included."""
+        return self.block_pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    @property
+    def usage(self) -> float:
+        """Held fraction of the usable blocks: ``1 - free / (num_blocks - 1)``."""
+        return self.block_pool.get_usage()
+
+    @property
+    def num_requests(self) -> int:
+        """Requests currently holding blocks."""
+        return len(self._requests)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._requests
+
+    @property
+    def max_num_blocks_per_request(self) -> int:
+        """Width of a block table (per group): ``cdiv(max_model_len, block_size)``."""
+        return cdiv(self.max_model_len, self.block_size)
+
+    def max_num_held_blocks(self, max_tokens_per_step: int) -> int:
+        """Most blocks one request can hold at once, all groups together, when at most
+        ``max_tokens_per_step`` tokens are scheduled for it per step (sliding groups
+        hold ``cdiv(window - 1 + max_tokens_per_step, block_size) + 1`` at most)."""
+        _check_count("max_tokens_per_step", max_tokens_per_step, 1)
+        return sum(spec.max_num_held_blocks(self.max_model_len, max_tokens_per_step) for spec in self.groups)
+
+    # -- lookup --------------------------------------------------------------------------
+
+    def _bind(self, request: Request) -> None:
+        if not isinstance(request, Request):
+            raise TypeError(f"expected a Request, got {type(request).__name__}")
+        request.bind_hasher(self.block_size, self.hash_fn)
+
+    def get_computed_blocks(self, request: Request) -> CacheHit:
+        """Longest cached prefix of a request that holds no blocks (a lookup: nothing changes).
+
+        The hit is block aligned and at most ``num_tokens - 1`` tokens (the last
+        token is always recomputed for its logits), so a prompt whose length is a
+        multiple of the block size cannot hit its last block.
+        """
+        if not isinstance(request, Request):
+            raise TypeError(f"expected a Request, got {type(request).__name__}")
+        if request.request_id in self._requests:
+            raise ValueError(f"request {request.request_id!r} holds blocks: look up new ones only")
+        empty = tuple([] for _ in self.managers)
+        if not self.enable_caching:
+            return CacheHit(request.request_id, 0, empty)
+        self._bind(request)
+        bs = self.block_size
+        hashes = request.block_hashes
+        pool = self.block_pool
+        candidate = (request.num_tokens - 1) // bs * bs
+        while True:
+            hits = []
+            shortest = candidate
+            for manager in self.managers:
+                blocks = manager.find_longest_cache_hit(
+                    hashes, candidate, manager.group_id, pool, manager.spec
+                )
+                hits.append(blocks)
+                shortest = min(shortest, len(blocks) * bs)
+                if shortest == 0:
+                    return CacheHit(request.request_id, 0, empty)
+            if shortest == candidate:
+                return CacheHit(request.request_id, candidate, tuple(hits))
+            candidate = shortest
+
+    # -- allocation ----------------------------------------------------------------------
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        hit: CacheHit | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> tuple[list[int], ...] | None:
+        """Make room for ``num_new_tokens`` tokens after the computed ones (and the hit).
+
+        Order (vLLM): drop the blocks the sliding window no longer needs (on the
+        basis of ``request.num_computed_tokens`` before this step), take the hit
+        blocks, allocate the missing blocks, then register every full block being
+        computed in the prefix cache (blocks are cached when scheduled).
+
+        Returns the new block ids per group, or None if the pool is too small now
+        (nothing changed).
+        """
+        if not isinstance(request, Request):
+            raise TypeError(f"expected a Request, got {type(request).__name__}")
+        rid = request.request_id
+        held = self._requests.get(rid)
+        is_new = held is None
+        if not is_new and held is not request:
+            raise ValueError(f"duplicate request id {rid!r}: another request with this id holds blocks")
+        _check_count("num_new_tokens", num_new_tokens, 1)
+        _check_count("num_lookahead_tokens", num_lookahead_tokens, 0)
+        num_computed = request.num_computed_tokens
+        if is_new and num_computed != 0:
+            raise ValueError(
+                f"request {rid!r} holds no blocks but num_computed_tokens={num_computed} "
+                "(reset it to 0 on preemption)"
+            )
+        hit_tokens = 0
+        hit_blocks: tuple[list[KVCacheBlock], ...] | None = None
+        if hit is not None:
+            if not isinstance(hit, CacheHit):
+                raise TypeError(f"hit must come from get_computed_blocks, got {type(hit).__name__}")
+            if hit.request_id != rid:
+                raise ValueError(f"hit belongs to request {hit.request_id!r}, not {rid!r}")
+            if not is_new and hit.num_tokens:
+                raise ValueError(f"request {rid!r} is running: a hit only applies to a new request")
+            hit_tokens = hit.num_tokens
+        total_computed = num_computed + hit_tokens + num_new_tokens
+        if total_computed > request.num_tokens:
+            raise ValueError(
+                f"request {rid!r}: {num_computed} computed + {hit_tokens} hit + {num_new_tokens} new tokens "
+                f"exceed its {request.num_tokens} tokens"
+            )
+        total = total_computed + num_lookahead_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"request {rid!r} would need {total} tokens > max_model_len={self.max_model_len}"
+            )
+        managers = self.managers
+        if is_new:
+            self._bind(request)
+            if hit_tokens:
+                hit_blocks = self._checked_hit_blocks(request, hit)  # type: ignore[arg-type]
+
+        # Capacity. Blocks the skip would free count as available; apply nothing yet.
+        pool = self.block_pool
+        if hit_blocks is None:
+            need = sum(m.get_num_blocks_to_allocate(rid, total) for m in managers)
+        else:
+            need = sum(m.get_num_blocks_to_allocate(rid, total, hb) for m, hb in zip(managers, hit_blocks))
+        num_free = pool.free_block_queue.num_free_blocks
+        if need > num_free and (
+            is_new or need > num_free + sum(m.num_freed_by_skip(rid, num_computed) for m in managers)
+        ):
+            return None
+
+        # Commit.
+        if is_new:
+            self._requests[rid] = request
+            request._num_admissions += 1
+            if hit_blocks is None:
+                for m in managers:
+                    m.add_request(rid, ())
+            else:
+                for m, hb in zip(managers, hit_blocks):
+                    m.add_request(rid, hb)
+            if self.enable_caching:
+                self._stats.record(request.num_tokens, hit_tokens, request._num_admissions > 1)
+        elif num_computed:
+            for m in managers:
+                m.remove_skipped(rid, num_computed)
+        new_ids = tuple([b.block_id for b in m.allocate_new_blocks(rid, total)] for m in managers)
+        if self.enable_caching:
+            for m in managers:
+                m.cache_blocks(request, total_computed)
+        return new_ids
+
+    def _checked_hit_blocks(self, request: Request, hit: CacheHit) -> tuple[list[KVCacheBlock], ...]:
+        """Copies of the hit's block lists, checked against the cache, with out-of-window
+        entries nulled (each group's own skip policy at ``hit.num_tokens``)."""
+        if len(hit.blocks) != len(self.managers):
+            raise ValueError("hit does not match this manager's groups")
+        num_hit_blocks = hit.num_tokens // self.block_size
+        if hit.num_tokens % self.block_size or hit.num_tokens >= request.num_tokens:
+            raise ValueError(f"invalid hit of {hit.num_tokens} tokens for request {request.request_id!r}")
+        hashes = request.block_hashes
+        out = []
+        for m, blocks in zip(self.managers, hit.blocks):
+            if len(blocks) != num_hit_blocks:
+                raise ValueError("hit blocks do not cover the hit tokens")
+            for i, block in enumerate(blocks):
+                if not block.is_null and (block.block_hash != hashes[i] or block.group_id != m.group_id):
+                    raise ValueError(
+                        f"stale hit for request {request.request_id!r}: block {block.block_id} was evicted "
+                        "since get_computed_blocks; look up again"
+                    )
+            blocks = list(blocks)
+            m.remove_skipped_blocks(blocks, hit.num_tokens)
+            out.append(blocks)
+        return tuple(out)
+
+    # -- queries and release ---------------------------------------------------------------
+
+    def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
+        """The request's block tables (live lists: do not modify)."""
+        if request_id not in self._requests:
+            raise KeyError(f"unknown request id {request_id!r}")
+        return tuple(m.req_to_blocks[request_id] for m in self.managers)
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block tables as ids, one list per group; null block = 0."""
+        return tuple([b.block_id for b in table] for table in self.get_blocks(request_id))
+
+    def free(self, request: Request | str) -> None:
+        """Release every block of a finished or preempted request (tables in reverse)."""
+        rid = request if isinstance(request, str) else request.request_id
+        held = self._requests.get(rid)
+        if held is None:
+            raise KeyError(f"unknown request id {rid!r}: it holds no blocks")
+        if not isinstance(request, str) and held is not request:
+            raise ValueError(f"duplicate request id {rid!r}: another request with this id holds blocks")
+        del self._requests[rid]
+        for m in self.managers:
+            m.free(rid)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; fails (False) while any request holds blocks."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        self._stats.reset = True
+        return True
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """Stats since the previous call (then reset)."""
+        stats, self._stats = self._stats, PrefixCacheStats()
+        return stats

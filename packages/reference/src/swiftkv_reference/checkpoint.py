@@ -1,0 +1,295 @@
+"""Checkpoint I/O: Hugging Face directories of safetensors (single or sharded), never pickle.
+
+Parameter names are the Hugging Face / Snowflake ones (anchors/swiftkv-facts.md §1.2):
+    model.embed_tokens.weight, model.norm.weight, lm_head.weight (absent when tied),
+    model.layers.{i}.{input_layernorm,post_attention_layernorm}.weight,
+    model.layers.{i}.self_attn.{q,k,v,o}_proj.weight (+ q/k/v .bias for qwen2),
+    model.layers.{i}.mlp.{gate,up,down}_proj.weight,
+    SwiftKV (L < N): model.norm_swiftkv.weight, model.layers.{i}.self_attn.q_proj_swiftkv.* for i >= L,
+    model.layers.{g}.self_attn.{k,v}_proj_swiftkv.* on AcrossKV group leaders g only.
+Names are compared as whole strings / whole dotted components: `k_proj` never matches `k_proj_swiftkv`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .config import SwiftKVConfig
+
+logger = logging.getLogger(__name__)
+
+SAFETENSORS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+PICKLE = "pytorch_model.bin"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit its config, or cannot be read safely."""
+
+
+def expected_parameter_shapes(config: SwiftKVConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the model's state_dict, in module order, with its shape."""
+    h, inter, hd = config.hidden_size, config.intermediate_size, config.head_dim
+    q_out, kv_out = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    big_l, n = config.num_key_value_layers, config.num_hidden_layers
+    bias = config.attention_bias
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
+    for i in range(n):
+        p = f"model.layers.{i}."
+        attn: dict[str, int] = {"q_proj": q_out, "k_proj": kv_out, "v_proj": kv_out}
+        if i >= big_l:
+            attn["q_proj_swiftkv"] = q_out
+            if config.group_leader(i) == i:
+                attn["k_proj_swiftkv"] = kv_out
+                attn["v_proj_swiftkv"] = kv_out
+        for name, out in attn.items():
+            shapes[f"{p}self_attn.{name}.weight"] = (out, h)
+            if bias:
+                shapes[f"{p}self_attn.{name}.bias"] = (out,)
+        shapes[f"{p}self_attn.o_proj.weight"] = (h, q_out)
+        shapes[f"{p}mlp.gate_proj.weight"] = (inter, h)
+        shapes[f"{p}mlp.up_proj.weight"] = (inter, h)
+        shapes[f"{p}mlp.down_proj.weight"] = (h, inter)
+        shapes[f"{p}input_layernorm.weight"] = (h,)
+        shapes[f"{p}post_attention_layernorm.weight"] = (h,)
+    if big_l < n:
+        shapes["model.norm_swiftkv.weight"] = (h,)
+    shapes["model.norm.weight"] = (h,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    return shapes
+
+
+def expected_parameter_names(config: SwiftKVConfig) -> list[str]:
+    """The state_dict keys a checkpoint of this config must have (and no others)."""
+    return list(expected_parameter_shapes(config))
+
+
+def check_state_dict(config: SwiftKVConfig, state_dict: dict[str, torch.Tensor]) -> None:
+    """Raise CheckpointError naming every missing, unexpected and mis-shaped tensor."""
+    expected = expected_parameter_shapes(config)
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = sorted(k for k in state_dict if k not in expected)
+    misshaped = [
+        f"{k}: expected {tuple(shape)}, got {tuple(state_dict[k].shape)}"
+        for k, shape in expected.items()
+        if k in state_dict and tuple(state_dict[k].shape) != tuple(shape)
+    ]
+    if missing or unexpected or misshaped:
+        lines = [
+            f"state_dict does not match the {config.model_type} config "
+            f"(N={config.num_hidden_layers}, L={config.num_key_value_layers}, "
+            f"G={config.key_value_group_size}):"
+        ]
+        if missing:
+            lines.append(f"  missing ({len(missing)}): {missing}")
+        if unexpected:
+            lines.append(f"  unexpected ({len(unexpected)}): {unexpected}")
+        if misshaped:
+            lines.append(f"  mis-shaped ({len(misshaped)}): {misshaped}")
+        raise CheckpointError("\n".join(lines))
+
+
+def normalize_state_dict(
+    config: SwiftKVConfig, state_dict: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Drop what a loader may ignore: rotary buffers, and lm_head.weight of a tied model when it
+    equals the embedding (some exporters write it anyway)."""
+    out = {k: v for k, v in state_dict.items() if k.split(".")[-2:] != ["rotary_emb", "inv_freq"]}
+    if config.tie_word_embeddings and "lm_head.weight" in out:
+        head, emb = out["lm_head.weight"], out.get("model.embed_tokens.weight")
+        if emb is not None and head.shape == emb.shape and torch.equal(head, emb):
+            del out["lm_head.weight"]
+    return out
+
+
+def load_config(directory: str | os.PathLike) -> SwiftKVConfig:
+    """The SwiftKVConfig of a Hugging Face model directory."""
+    return SwiftKVConfig.from_hf(Path(directory))
+
+
+def load_state_dict(
+    directory: str | os.PathLike, dtype: torch.dtype | None = torch.float32
+) -> dict[str, torch.Tensor]:
+    """All tensors of a model directory: `model.safetensors`, or the shards named by
+    `model.safetensors.index.json`; a `pytorch_model.bin` only through `torch.load(weights_only=True)`.
+    Floating tensors are cast to `dtype` (None keeps them as stored)."""
+    directory = Path(directory)
+    index_path = directory / SAFETENSORS_INDEX
+    if index_path.is_file():
+        weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+        state: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(weight_map.values())):
+            shard_path = directory / shard
+            if Path(shard).name != shard or not shard_path.is_file():
+                raise CheckpointError(f"shard {shard!r} named by {index_path} is missing")
+            tensors = load_file(str(shard_path))
+            listed = {k for k, f in weight_map.items() if f == shard}
+            if set(tensors) != listed:
+                raise CheckpointError(
+                    f"shard {shard} holds {sorted(set(tensors) - listed)} not in the index and lacks "
+                    f"{sorted(listed - set(tensors))}"
+                )
+            state.update(tensors)
+    elif (directory / SAFETENSORS).is_file():
+        state = load_file(str(directory / SAFETENSORS))
+    elif (directory / PICKLE).is_file():
+        logger.info("loading %s with torch.load(weights_only=True)", directory / PICKLE)
+        state = torch.load(directory / PICKLE, map_location="cpu", weights_only=True)
+    else:
+        raise CheckpointError(f"no {SAFETENSORS}, {SAFETENSORS_INDEX} or {PICKLE} in {directory}")
+    if dtype is not None:
+        state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
+    return state
+
+
+def save_checkpoint(
+    directory: str | os.PathLike,
+    config: SwiftKVConfig,
+    state_dict: dict[str, torch.Tensor],
+    max_shard_bytes: int | None = None,
+) -> Path:
+    """Write config.json and the weights (one file, or shards + index when `max_shard_bytes` is set)."""
+    check_state_dict(config, state_dict)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config.save(directory)
+    tensors = {
+        k: state_dict[k].detach().to("cpu").contiguous().clone() for k in expected_parameter_names(config)
+    }
+    if max_shard_bytes is None:
+        save_file(tensors, str(directory / SAFETENSORS), metadata={"format": "pt"})
+        return directory
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = t
+        size += nbytes
+    weight_map = {}
+    for j, shard in enumerate(shards):
+        name = f"model-{j + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(directory / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return directory
+
+
+def load_model(directory: str | os.PathLike, dtype: torch.dtype = torch.float32):
+    """A SwiftKVForCausalLM with the weights of a model directory, in eval mode."""
+    from .model import SwiftKVForCausalLM
+
+    config = load_config(directory)
+    state = normalize_state_dict(config, load_state_dict(directory, dtype=dtype))
+    check_state_dict(config, state)
+    model = SwiftKVForCausalLM(config).to(dtype)
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+def swiftkv_init(
+    config: SwiftKVConfig,
+    state_dict: dict[str, torch.Tensor],
+    num_key_value_layers: int,
+    key_value_group_size: int = 1,
+) -> tuple[SwiftKVConfig, dict[str, torch.Tensor]]:
+    """A SwiftKV config and state_dict initialised as Snowflake's trainer does (§1.4):
+    norm_swiftkv <- layers[L].input_layernorm; q_proj_swiftkv[i] <- q_proj[i];
+    a group leader's k/v_proj_swiftkv <- the mean of its G members' k/v_proj (biases likewise).
+    The source must be a plain model (L == N); its tensors are kept unchanged (the teacher)."""
+    if config.is_swiftkv:
+        raise CheckpointError(
+            f"the source is already a SwiftKV model (L={config.num_key_value_layers}); convert a plain model"
+        )
+    check_state_dict(config, state_dict)
+    model_type = config.model_type
+    if num_key_value_layers < config.num_hidden_layers:
+        model_type = f"{config.family}_swiftkv"
+    new_config = config.replace(
+        model_type=model_type,
+        num_key_value_layers=num_key_value_layers,
+        key_value_group_size=key_value_group_size,
+        swiftkv=True,
+    )
+    big_l, g, n = num_key_value_layers, key_value_group_size, config.num_hidden_layers
+    out = {k: v.clone() for k, v in state_dict.items()}
+    if big_l == n:
+        return new_config, out
+    out["model.norm_swiftkv.weight"] = state_dict[f"model.layers.{big_l}.input_layernorm.weight"].clone()
+    params = ("weight", "bias") if config.attention_bias else ("weight",)
+    for i in range(big_l, n):
+        attn = f"model.layers.{i}.self_attn."
+        for p in params:
+            out[f"{attn}q_proj_swiftkv.{p}"] = state_dict[f"{attn}q_proj.{p}"].clone()
+        if new_config.group_leader(i) != i:
+            continue
+        for proj in ("k_proj", "v_proj"):
+            for p in params:
+                members = [state_dict[f"model.layers.{j}.self_attn.{proj}.{p}"] for j in range(i, i + g)]
+                mean = torch.zeros_like(members[0])
+                for w in members:  # Snowflake: zeroed, then += W / G
+                    mean += w / g
+                out[f"{attn}{proj}_swiftkv.{p}"] = mean
+    check_state_dict(new_config, out)
+    return new_config, out
+
+
+def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
+    """Copy the tokenizer / generation files that exist in `src` into `dst`; returns their names."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).is_file():
+            shutil.copy2(Path(src) / name, Path(dst) / name)
+            copied.append(name)
+    return copied
+
+
+def convert_to_swiftkv(
+    src_dir: str | os.PathLike,
+    dst_dir: str | os.PathLike,
+    num_key_value_layers: int,
+    key_value_group_size: int = 1,
+) -> Path:
+    """Turn a Llama / Mistral / Qwen2 directory into a SwiftKV one (see `swiftkv_init`), saved as a
+    loadable Hugging Face directory with the source's tokenizer files."""
+    config = load_config(src_dir)
+    state = load_state_dict(src_dir, dtype=None)
+    state = normalize_state_dict(config, state)
+    new_config, new_state = swiftkv_init(config, state, num_key_value_layers, key_value_group_size)
+    dst = save_checkpoint(dst_dir, new_config, new_state)
+    copied = copy_tokenizer_files(src_dir, dst)
+    logger.info(
+        "converted %s -> %s (%s, L=%d of N=%d, G=%d; tokenizer files %s)",
+        src_dir,
+        dst,
+        new_config.model_type,
+        num_key_value_layers,
+        config.num_hidden_layers,
+        key_value_group_size,
+        copied,
+    )
+    return dst

@@ -1,0 +1,76 @@
+"""Tiny random models for tests (this package's, the conformance suite's, the fast engine's).
+
+    config = tiny_config(num_hidden_layers=6, num_key_value_layers=2, key_value_group_size=2)
+    state = random_state_dict(config, seed=0)
+    model = tiny_model(config, seed=0)          # SwiftKVForCausalLM with those weights, eval, fp32
+
+Weights are random with non-unit norms and small biases so that every term matters (replacing
+norm_swiftkv by another norm changes the logits).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checkpoint import expected_parameter_shapes
+from .config import SwiftKVConfig
+
+_TINY = dict(
+    model_type="llama",
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=[2],
+)
+
+
+def tiny_config(**overrides) -> SwiftKVConfig:
+    """A small valid config (head_dim 32, GQA 2:1, 4 layers) with `overrides` applied.
+    `model_type="qwen2"` turns on attention_bias automatically."""
+    values = dict(_TINY)
+    values.update(overrides)
+    if values["model_type"].startswith("qwen2"):
+        values.setdefault("attention_bias", True)
+    return SwiftKVConfig(**values)
+
+
+def random_state_dict(
+    config: SwiftKVConfig, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """Random weights for every expected tensor: projections ~ N(0, 1/fan_in) scaled, norms ~ 1 +- 0.3,
+    biases ~ N(0, 0.1), embeddings ~ N(0, 1)."""
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, shape in expected_parameter_shapes(config).items():
+        if (
+            name.endswith("norm.weight")
+            or name.endswith("layernorm.weight")
+            or name == "model.norm_swiftkv.weight"
+        ):
+            t = 1.0 + 0.3 * torch.randn(shape, generator=g)
+        elif name.endswith(".bias"):
+            t = 0.1 * torch.randn(shape, generator=g)
+        elif name == "model.embed_tokens.weight":
+            t = torch.randn(shape, generator=g)
+        else:
+            t = torch.randn(shape, generator=g) / shape[-1] ** 0.5
+        state[name] = t.to(dtype)
+    return state
+
+
+def tiny_model(config: SwiftKVConfig | None = None, seed: int = 0, **overrides):
+    """A SwiftKVForCausalLM (eval, fp32) of `config` (or `tiny_config(**overrides)`) with random weights."""
+    from .model import SwiftKVForCausalLM
+
+    config = config if config is not None else tiny_config(**overrides)
+    model = SwiftKVForCausalLM(config)
+    model.load_state_dict(random_state_dict(config, seed), strict=True)
+    return model.eval()

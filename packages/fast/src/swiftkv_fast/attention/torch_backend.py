@@ -1,0 +1,110 @@
+"""Portable attention over the paged KV cache with `scaled_dot_product_attention`.
+
+Requests are batched by padding: each request's blocks are gathered into a dense (R, max_kv) K/V, the
+queries into (R, max_q), and causal / sliding-window / padding masks are built as tensors. Single-query
+requests of a mixed batch go through the decode path so one long prompt does not pad every decode.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from swiftkv_fast.attention.base import AttentionBackend, AttentionMetadata
+from swiftkv_fast.worker.input_batch import ranges as _ranges
+
+
+def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_kv: int) -> torch.Tensor:
+    # cache: (num_blocks, block_size, kv_heads, head_dim) -> (R, kv_heads, max_kv, head_dim)
+    block_size = cache.shape[1]
+    num_blocks = -(-max_kv // block_size)
+    kv = cache[block_tables[:, :num_blocks].long()]  # (R, nb, block_size, kv_heads, head_dim)
+    kv = kv.flatten(1, 2)[:, :max_kv]
+    return kv.transpose(1, 2)
+
+
+def _sdpa(q, k, v, mask, scale, is_causal=False):
+    # q: (R, H, Sq, D); k, v: (R, KVH, Sk, D); mask: (R, 1, Sq, Sk) bool or None
+    if q.shape[1] != k.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+
+
+class TorchBackend(AttentionBackend):
+    name = "torch"
+
+    def write_kv(self, kv_cache, k, v, slot_mapping):
+        # kv_cache: (n_layers, 2, num_blocks, block_size, kv_heads, head_dim); k, v: (T, n_layers, kvh, hd)
+        n_layers, _, num_blocks, block_size = kv_cache.shape[:4]
+        flat = kv_cache.view(n_layers, 2, num_blocks * block_size, *kv_cache.shape[4:])
+        kv = torch.stack((k, v), dim=2).permute(1, 2, 0, 3, 4).to(kv_cache.dtype)  # (n_layers, 2, T, kvh, hd)
+        slot_mapping = slot_mapping.long()
+        valid = slot_mapping >= 0
+        if not bool(valid.all()):
+            kv, slot_mapping = kv[:, :, valid], slot_mapping[valid]
+        flat.index_copy_(2, slot_mapping, kv)
+
+    def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, window, scale):
+        cu = meta.cu_seqlens_q.long()
+        q_lens = cu[1:] - cu[:-1]
+        if meta.max_query_len == 1:
+            return self.decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, window, scale)
+        single = q_lens == 1
+        if bool(single.any()):
+            # NOTE: decode rows and prompt rows are served separately (no padding of decodes to max_q)
+            out = torch.empty_like(q)
+            dec = single.nonzero().squeeze(1)
+            out[cu[dec]] = self.decode(
+                q[cu[dec]], k_cache, v_cache, meta.seq_lens[dec], meta.block_tables[dec], window, scale
+            )
+            pre = (~single).nonzero().squeeze(1)
+            tok = _ranges(cu[pre], q_lens[pre])
+            sub = AttentionMetadata(
+                cu_seqlens_q=F.pad(q_lens[pre].cumsum(0), (1, 0)).to(torch.int32),
+                seq_lens=meta.seq_lens[pre],
+                block_tables=meta.block_tables[pre],
+                max_query_len=meta.max_query_len,
+                max_seq_len=int(meta.seq_lens[pre].max()),
+            )
+            out[tok] = self._prefill_padded(q[tok], k_cache, v_cache, sub, q_lens[pre], window, scale)
+            return out
+        return self._prefill_padded(q, k_cache, v_cache, meta, q_lens, window, scale)
+
+    def _prefill_padded(self, q, k_cache, v_cache, meta, q_lens, window, scale):
+        # q: (T, H, D)
+        num_reqs, max_q, max_kv = q_lens.shape[0], meta.max_query_len, meta.max_seq_len
+        seq_lens = meta.seq_lens.long()
+        cu = meta.cu_seqlens_q.long()
+        req_of_tok = torch.repeat_interleave(torch.arange(num_reqs, device=q.device), q_lens)  # (T,)
+        j_of_tok = torch.arange(q.shape[0], device=q.device) - cu[req_of_tok]  # (T,)
+        qpad = q.new_zeros(num_reqs, max_q, *q.shape[1:])
+        qpad[req_of_tok, j_of_tok] = q
+        k = _gather_kv(k_cache, meta.block_tables, max_kv)  # (R, KVH, max_kv, D)
+        v = _gather_kv(v_cache, meta.block_tables, max_kv)
+        if window is None and bool((seq_lens == q_lens).all()):
+            # fresh prompts: top-left causal alignment is the right one, no mask tensor needed
+            out = _sdpa(qpad.transpose(1, 2), k, v, None, scale, is_causal=True)
+        else:
+            start = (seq_lens - q_lens)[:, None]  # (R, 1)
+            qpos = torch.minimum(start + torch.arange(max_q, device=q.device), seq_lens[:, None] - 1)
+            kpos = torch.arange(max_kv, device=q.device)
+            mask = kpos[None, None, :] <= qpos[:, :, None]  # (R, max_q, max_kv)
+            if window is not None:
+                mask &= kpos[None, None, :] > qpos[:, :, None] - window
+            out = _sdpa(qpad.transpose(1, 2), k, v, mask[:, None], scale)
+        return out.transpose(1, 2)[req_of_tok, j_of_tok]  # (T, H, D)
+
+    def decode(self, q, k_cache, v_cache, seq_lens, block_tables, window, scale):
+        # q: (R, H, D)
+        seq_lens = seq_lens.long()
+        max_kv = int(seq_lens.max())
+        k = _gather_kv(k_cache, block_tables, max_kv)  # (R, KVH, max_kv, D)
+        v = _gather_kv(v_cache, block_tables, max_kv)
+        kpos = torch.arange(max_kv, device=q.device)
+        mask = kpos[None, :] < seq_lens[:, None]  # (R, max_kv)
+        if window is not None:
+            mask &= kpos[None, :] > seq_lens[:, None] - 1 - window
+        out = _sdpa(q[:, :, None], k, v, mask[:, None, None], scale)  # (R, H, 1, D)
+        return out[:, :, 0]

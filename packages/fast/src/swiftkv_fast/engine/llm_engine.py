@@ -1,0 +1,139 @@
+"""The engine: scheduler + cache manager + model runner, one `step()` at a time."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+from kvcache import FullAttentionSpec, KVCacheManager, SlidingWindowSpec
+
+from swiftkv_fast.config import EngineConfig
+from swiftkv_fast.engine.request import Request
+from swiftkv_fast.engine.scheduler import Scheduler
+from swiftkv_fast.logger import init_logger
+from swiftkv_fast.model.loader import build_weights
+from swiftkv_fast.sampler import top_logprobs
+from swiftkv_fast.sampling_params import SamplingParams
+from swiftkv_fast.worker.kv_cache import log_kv_cache, num_blocks_for
+from swiftkv_fast.worker.model_runner import ModelRunner
+
+logger = init_logger(__name__)
+
+
+def kv_cache_groups(config, block_size: int) -> tuple[list, list[int]]:
+    """One kvcache group per attention type (window) among the cache layers, in order of appearance.
+    -> (specs, group of each cache layer)."""
+    windows = [config.cache_window(c) for c in range(config.num_cache_layers)]
+    keys = list(dict.fromkeys(windows))
+    specs = [FullAttentionSpec(block_size) if w is None else SlidingWindowSpec(block_size, w) for w in keys]
+    return specs, [keys.index(w) for w in windows]
+
+
+class LLMEngine:
+    def __init__(self, econf: EngineConfig, config, state_dict: dict[str, torch.Tensor], tokenizer=None):
+        if econf.max_model_len is None:
+            econf.max_model_len = config.max_position_embeddings
+        elif econf.max_model_len > config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={econf.max_model_len} exceeds the model's max_position_embeddings="
+                f"{config.max_position_embeddings}"
+            )
+        self.econf, self.config, self.tokenizer = econf, config, tokenizer
+        specs, group_of_cache_layer = kv_cache_groups(config, econf.block_size)
+        per_request = sum(
+            s.max_num_held_blocks(econf.max_model_len, econf.max_num_batched_tokens) for s in specs
+        )
+        weights = build_weights(config, state_dict, econf.dtype, econf.device, group_of_cache_layer)
+        num_blocks = num_blocks_for(
+            config,
+            econf.block_size,
+            econf.dtype,
+            econf.device,
+            econf.num_kv_blocks,
+            econf.kv_cache_memory,
+            max_blocks_useful=1 + econf.max_num_seqs * per_request,
+        )
+        if num_blocks - 1 < per_request:
+            raise ValueError(
+                f"the KV cache ({num_blocks} blocks of {econf.block_size}) cannot hold one request of "
+                f"max_model_len={econf.max_model_len} tokens ({per_request} blocks + the null block): "
+                "give it more memory or lower max_model_len"
+            )
+        self.kv_manager = KVCacheManager(
+            groups=specs,
+            num_blocks=num_blocks,
+            max_model_len=econf.max_model_len,
+            enable_caching=econf.enable_prefix_caching,
+        )
+        self.runner = ModelRunner(config, weights, econf, num_blocks, group_of_cache_layer, len(specs))
+        self.scheduler = Scheduler(
+            self.kv_manager,
+            econf.max_num_seqs,
+            econf.max_num_batched_tokens,
+            econf.max_model_len,
+            config.eos_token_id,
+            self.detokenize if tokenizer is not None else None,
+        )
+        self._rng = random.Random(econf.seed)
+        self._counter = 0
+        logger.info(
+            "engine: %s, N=%d, L=%d, G=%d, %s on %s, attention backend %s, %d kvcache group(s)",
+            config.model_type,
+            config.num_hidden_layers,
+            config.num_key_value_layers,
+            config.key_value_group_size,
+            str(econf.dtype).removeprefix("torch."),
+            econf.device,
+            self.runner.backend.name,
+            len(specs),
+        )
+        log_kv_cache(config, num_blocks, econf.block_size, econf.dtype, econf.max_model_len, len(specs))
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+    ) -> Request:
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        generator = None if params.greedy else torch.Generator().manual_seed(seed)
+        req = Request(str(self._counter), prompt_token_ids, params, generator, prompt=prompt)
+        self._counter += 1
+        self.scheduler.add_request(req)
+        return req
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[Request]:
+        """One scheduling step; returns the requests that finished in it."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            raise RuntimeError(
+                "no request could be scheduled: the KV cache is too small for the waiting request"
+            )
+        res = self.runner.execute(out)
+        now = time.time()
+        by_id = {s.request.request_id: s.request for s in out.scheduled}
+        reqs = [by_id[rid] for rid in res.request_ids]
+        tops = top_logprobs(res.logprobs, res.token_ids, [r.sampling_params.logprobs for r in reqs])
+        for j, (req, tok) in enumerate(zip(reqs, res.token_ids)):
+            req.cumulative_logprob += float(res.logprobs[j, tok])
+            if req.logprobs is not None:
+                req.logprobs.append(tops[j])
+            if self.econf.return_logits:
+                req.logits.append(res.logits[j].clone())
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            req.metrics.num_generated_tokens += 1
+        finished = self.scheduler.update_from_output(out, dict(zip(res.request_ids, res.token_ids)))
+        for req in finished:
+            if not isinstance(req.stop_reason, str):
+                req.output_text = self.detokenize(req.output_token_ids)
+        return finished
+
+    def abort_all(self) -> None:
+        self.scheduler.abort_all()

@@ -1,0 +1,28 @@
+"""Package logging: `SWIFTKV_LOGGING_LEVEL` (default INFO) controls the `swiftkv_fast` loggers."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+_ROOT = "swiftkv_fast"
+_configured = False
+
+
+def _configure_root() -> None:
+    global _configured
+    if _configured:
+        return
+    _configured = True
+    root = logging.getLogger(_ROOT)
+    root.setLevel(os.environ.get("SWIFTKV_LOGGING_LEVEL", "INFO").upper())
+    if os.environ.get("SWIFTKV_CONFIGURE_LOGGING", "1") != "0" and not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s] %(message)s", "%H:%M:%S"))
+        root.addHandler(handler)
+        root.propagate = False
+
+
+def init_logger(name: str) -> logging.Logger:
+    _configure_root()
+    return logging.getLogger(name)

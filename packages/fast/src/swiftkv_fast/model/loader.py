@@ -1,0 +1,119 @@
+"""Checkpoint -> fused weights. Config and checkpoint I/O are the reference package's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from swiftkv_fast.logger import init_logger
+from swiftkv_fast.model.swiftkv_model import LayerWeights, ModelWeights
+
+logger = init_logger(__name__)
+
+
+def load_checkpoint(
+    model: str | Path | None, num_key_value_layers: int | None, key_value_group_size: int | None
+):
+    """-> (config, state_dict fp32, model_dir). `model=None` is the embedded SmolLM2-135M-Instruct."""
+    from swiftkv_reference.checkpoint import load_config, load_state_dict, normalize_state_dict
+
+    if model is None:
+        from swiftkv_reference.default_model import default_model_dir
+
+        model = default_model_dir()
+    model_dir = Path(model)
+    if not model_dir.is_dir():
+        raise ValueError(f"model must be a checkpoint directory (config.json + *.safetensors), got {model!r}")
+    config = load_config(model_dir)
+    state_dict = normalize_state_dict(config, load_state_dict(model_dir, dtype=torch.float32))
+    config, state_dict = apply_swiftkv_options(config, state_dict, num_key_value_layers, key_value_group_size)
+    return config, state_dict, model_dir
+
+
+def apply_swiftkv_options(config, state_dict, num_key_value_layers, key_value_group_size):
+    """Check the checkpoint, then convert a plain one on the fly when SwiftKV is asked for."""
+    from swiftkv_reference.checkpoint import check_state_dict, swiftkv_init
+
+    check_state_dict(config, state_dict)
+    n = config.num_hidden_layers
+    if config.is_swiftkv and not config.swiftkv:
+        # swiftkv=false: the original path, every layer with its own q/k/v and cache
+        config = config.replace(num_key_value_layers=n, key_value_group_size=1, swiftkv=True)
+    want_l = num_key_value_layers if num_key_value_layers is not None else config.num_key_value_layers
+    want_g = key_value_group_size if key_value_group_size is not None else config.key_value_group_size
+    if (want_l, want_g) == (config.num_key_value_layers, config.key_value_group_size):
+        return config, state_dict
+    if config.is_swiftkv:
+        if want_l == n:
+            logger.info("num_key_value_layers=%d: running the original (teacher) path of the checkpoint", n)
+            return config.replace(num_key_value_layers=n, key_value_group_size=1), state_dict
+        raise ValueError(
+            f"the checkpoint is SwiftKV (L={config.num_key_value_layers}, G={config.key_value_group_size}); "
+            f"it cannot be run with num_key_value_layers={want_l}, key_value_group_size={want_g}"
+        )
+    if want_l == n:
+        return config, state_dict
+    logger.info(
+        "converting the plain checkpoint to SwiftKV on the fly (L=%d of %d, G=%d, Snowflake's init); "
+        "output quality needs distillation",
+        want_l,
+        n,
+        want_g,
+    )
+    return swiftkv_init(config, state_dict, want_l, want_g)
+
+
+def build_weights(
+    config, sd: dict[str, torch.Tensor], dtype, device, group_of_cache_layer: list[int]
+) -> ModelWeights:
+    """Fuse q/k/v, gate/up, and all group leaders' k/v_proj_swiftkv; drop unused teacher weights."""
+    L, n = config.num_key_value_layers, config.num_hidden_layers
+
+    def t(name):
+        return sd[name].to(device=device, dtype=dtype).contiguous()
+
+    def opt(name):
+        return t(name) if name in sd else None
+
+    def cat(names):
+        parts = [sd[x] for x in names]
+        return torch.cat(parts).to(device=device, dtype=dtype).contiguous()
+
+    def cat_opt(names):
+        return cat(names) if all(x in sd for x in names) else None
+
+    layers = []
+    for i in range(n):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        if i < L:
+            qkv = cat([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"])
+            bias = cat_opt([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"])
+        else:
+            qkv, bias = t(a + "q_proj_swiftkv.weight"), opt(a + "q_proj_swiftkv.bias")
+        c = config.cache_layer(i)
+        layers.append(
+            LayerWeights(
+                input_norm=t(p + "input_layernorm.weight"),
+                post_norm=t(p + "post_attention_layernorm.weight"),
+                qkv=qkv,
+                qkv_bias=bias,
+                o=t(a + "o_proj.weight"),
+                gate_up=cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                down=t(p + "mlp.down_proj.weight"),
+                window=config.window(i),
+                cache_layer=c,
+                group=group_of_cache_layer[c],
+            )
+        )
+    embed = t("model.embed_tokens.weight")
+    lm_head = t("lm_head.weight") if "lm_head.weight" in sd else embed
+    weights = ModelWeights(embed=embed, norm=t("model.norm.weight"), lm_head=lm_head, layers=layers)
+    if L < n:
+        leaders = list(range(L, n, config.key_value_group_size))
+        names = [f"model.layers.{g}.self_attn.{kind}_proj_swiftkv." for kind in ("k", "v") for g in leaders]
+        weights.norm_swiftkv = t("model.norm_swiftkv.weight")
+        weights.kv_swiftkv = cat([x + "weight" for x in names])
+        weights.kv_swiftkv_bias = cat_opt([x + "bias" for x in names])
+    return weights

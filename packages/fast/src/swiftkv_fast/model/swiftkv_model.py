@@ -1,0 +1,137 @@
+"""The SwiftKV Llama-family model over a paged KV cache, with early exit.
+
+    layers < L   : every scheduled token; fused qkv, RoPE, K/V written to the cache, varlen attention
+    s = norm_swiftkv(h_L); one fused projection -> K/V of every cache layer >= L, RoPE on K, written
+    layers >= L  : only the sampled tokens (one per request: decode-shaped attention), own q_proj_swiftkv
+    final norm + lm_head on the sampled tokens only
+L == N is the plain model. Weights are fused at load (model/loader.py): qkv, gate_up, and the
+k/v_proj_swiftkv of all group leaders in one matrix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from swiftkv_fast.attention.base import AttentionBackend
+from swiftkv_fast.model.layers import RotaryTable, apply_rope, rms_norm, silu_and_mul
+from swiftkv_fast.worker.input_batch import ModelInput
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # (hidden,)
+    post_norm: torch.Tensor  # (hidden,)
+    qkv: torch.Tensor  # (q + 2 kv, hidden) for layers < L; (q, hidden) q_proj_swiftkv for layers >= L
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # (hidden, q)
+    gate_up: torch.Tensor  # (2 * intermediate, hidden)
+    down: torch.Tensor  # (hidden, intermediate)
+    window: int | None
+    cache_layer: int
+    group: int  # kvcache group (attention type) of its cache layer
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor  # (vocab, hidden)
+    norm: torch.Tensor  # (hidden,)
+    lm_head: torch.Tensor  # (vocab, hidden)
+    layers: list[LayerWeights]
+    norm_swiftkv: torch.Tensor | None = None  # (hidden,)
+    kv_swiftkv: torch.Tensor | None = (
+        None  # (2 * n_leaders * kv_heads * head_dim, hidden): [K of all; V of all]
+    )
+    kv_swiftkv_bias: torch.Tensor | None = None
+
+
+class SwiftKVModel:
+    def __init__(
+        self,
+        weights: ModelWeights,
+        *,
+        num_key_value_layers: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        eps: float,
+        rotary: RotaryTable,
+        cache_layer_groups: list[int],  # kvcache group of each cache layer
+        backend: AttentionBackend,
+    ):
+        self.w = weights
+        self.L = num_key_value_layers
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.eps = eps
+        self.rotary = rotary
+        self.backend = backend
+        self.scale = head_dim**-0.5
+        # contiguous runs [a, b) of second-half cache layers in one group: one write_kv each
+        self.swiftkv_write_runs: list[tuple[int, int, int]] = []
+        for c in range(self.L, len(cache_layer_groups)):
+            g = cache_layer_groups[c]
+            if self.swiftkv_write_runs and self.swiftkv_write_runs[-1][2] == g:
+                a, _, _ = self.swiftkv_write_runs[-1]
+                self.swiftkv_write_runs[-1] = (a, c + 1, g)
+            else:
+                self.swiftkv_write_runs.append((c, c + 1, g))
+
+    def _mlp(self, h: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
+        x = rms_norm(h, lw.post_norm, self.eps)
+        return h + F.linear(silu_and_mul(F.linear(x, lw.gate_up)), lw.down)
+
+    @torch.inference_mode()
+    def forward(self, inp: ModelInput, kv_cache: torch.Tensor) -> torch.Tensor | None:
+        """kv_cache: (num_cache_layers, 2, num_blocks, block_size, kv_heads, head_dim).
+        Returns fp32 logits (S, vocab) of the sampled tokens, or None when nothing is sampled."""
+        nh, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        h = F.embedding(inp.input_ids, self.w.embed)  # (T, hidden)
+        cos, sin = self.rotary.lookup(inp.positions)  # (T, 1, hd)
+        for lw in self.w.layers[: self.L]:
+            grp = inp.groups[lw.group]
+            x = rms_norm(h, lw.input_norm, self.eps)
+            qkv = F.linear(x, lw.qkv, lw.qkv_bias)  # (T, (nh + 2 kvh) hd)
+            q, k, v = qkv.split([nh * hd, kvh * hd, kvh * hd], dim=-1)
+            q = apply_rope(q.view(-1, nh, hd), cos, sin)
+            k = apply_rope(k.view(-1, kvh, hd), cos, sin)
+            c = lw.cache_layer
+            self.backend.write_kv(kv_cache[c : c + 1], k[:, None], v.view(-1, 1, kvh, hd), grp.slot_mapping)
+            o = self.backend.prefill(q, kv_cache[c, 0], kv_cache[c, 1], grp.meta, lw.window, self.scale)
+            h = h + F.linear(o.flatten(1), lw.o)
+            h = self._mlp(h, lw)
+        if self.w.kv_swiftkv is not None:
+            s = rms_norm(h, self.w.norm_swiftkv, self.eps)
+            kv = F.linear(s, self.w.kv_swiftkv, self.w.kv_swiftkv_bias).view(s.shape[0], 2, -1, kvh, hd)
+            n_sk = kv.shape[2]  # (T, 2, n_swiftkv_cache_layers, kvh, hd)
+            k = apply_rope(kv[:, 0].reshape(-1, n_sk * kvh, hd), cos, sin).view(-1, n_sk, kvh, hd)
+            v = kv[:, 1]
+            for a, b, g in self.swiftkv_write_runs:
+                self.backend.write_kv(
+                    kv_cache[a:b],
+                    k[:, a - self.L : b - self.L],
+                    v[:, a - self.L : b - self.L],
+                    inp.groups[g].slot_mapping,
+                )
+        if inp.logits_indices.numel() == 0:
+            return None
+        h = h[inp.logits_indices]  # (S, hidden): early exit for every other token
+        cos, sin = cos[inp.logits_indices], sin[inp.logits_indices]
+        for lw in self.w.layers[self.L :]:
+            x = rms_norm(h, lw.input_norm, self.eps)
+            q = apply_rope(F.linear(x, lw.qkv, lw.qkv_bias).view(-1, nh, hd), cos, sin)
+            c = lw.cache_layer
+            o = self.backend.decode(
+                q,
+                kv_cache[c, 0],
+                kv_cache[c, 1],
+                inp.sampled_seq_lens,
+                inp.groups[lw.group].sampled_block_tables,
+                lw.window,
+                self.scale,
+            )
+            h = h + F.linear(o.flatten(1), lw.o)
+            h = self._mlp(h, lw)
+        h = rms_norm(h, self.w.norm, self.eps)
+        return F.linear(h, self.w.lm_head).float()  # (S, vocab)

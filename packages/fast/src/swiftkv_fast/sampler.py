@@ -1,0 +1,88 @@
+"""Batched sampling that reproduces the reference algorithm token for token (docs/interfaces.md).
+
+Per row: logprobs = log_softmax(logits); greedy = argmax; else x = logits / T, top-k, top-p
+(stable descending sort, keep while cum - p < top_p), probs = softmax(x), token = argmax(probs / q)
+with q ~ Exp(1) drawn from the request's own CPU generator (one draw of vocab_size values per token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from swiftkv_fast.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: torch.Tensor  # (B, vocab) fp32 log_softmax of the raw logits
+
+
+def _apply_top_k(x: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    # x: (B, V); top_k: (B,) with k > 0
+    values = torch.topk(x, int(top_k.max()), dim=-1).values  # (B, max_k)
+    kth = values.gather(1, (top_k - 1)[:, None])  # (B, 1)
+    return x.masked_fill(x < kth, float("-inf"))
+
+
+def _apply_top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    # x: (B, V); top_p: (B,) in (0, 1)
+    probs = torch.softmax(x, dim=-1)
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    cum = torch.cumsum(sorted_p, dim=-1)
+    drop_sorted = (cum - sorted_p) >= top_p[:, None]
+    drop_sorted[:, 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+    return x.masked_fill(drop, float("-inf"))
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> SamplerOutput:
+    """logits: (B, vocab) fp32 rows on CPU; generators[i] is required for non-greedy rows."""
+    logits = logits.float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    tokens = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        sel = torch.tensor(rows)
+        temps = torch.tensor([params[i].temperature for i in rows], dtype=logits.dtype)
+        x = logits[sel] / temps[:, None]
+        top_k = torch.tensor([params[i].top_k for i in rows])
+        kr = (top_k > 0).nonzero().squeeze(1)
+        if kr.numel():
+            x[kr] = _apply_top_k(x[kr], top_k[kr])
+        top_p = torch.tensor([params[i].top_p for i in rows], dtype=logits.dtype)
+        pr = (top_p < 1).nonzero().squeeze(1)
+        if pr.numel():
+            x[pr] = _apply_top_p(x[pr], top_p[pr])
+        probs = torch.softmax(x, dim=-1)
+        # NOTE: one generator per request, so the draws are per row
+        q = torch.stack(
+            [torch.empty_like(probs[j]).exponential_(generator=generators[i]) for j, i in enumerate(rows)]
+        )
+        tokens[sel] = (probs / q).argmax(dim=-1)
+    return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
+
+
+def top_logprobs(
+    logprobs: torch.Tensor, token_ids: list[int], nums: list[int | None]
+) -> list[dict[int, float] | None]:
+    """Per row: {chosen token: logprob, top-n tokens: logprobs} or None when not requested."""
+    out: list[dict[int, float] | None] = [None] * len(nums)
+    n_max = max((n for n in nums if n is not None), default=None)
+    if n_max is None:
+        return out
+    top = torch.topk(logprobs, n_max, dim=-1) if n_max > 0 else None
+    chosen = logprobs.gather(1, torch.tensor(token_ids)[:, None])[:, 0].tolist()
+    for i, n in enumerate(nums):
+        if n is None:
+            continue
+        entry = {token_ids[i]: chosen[i]}
+        if n > 0:
+            for t, lp in zip(top.indices[i, :n].tolist(), top.values[i, :n].tolist()):
+                entry.setdefault(t, lp)
+        out[i] = entry
+    return out

@@ -1,0 +1,80 @@
+"""One flat batch per step: positions, slot mappings, block tables and query offsets as tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from swiftkv_fast.attention.base import AttentionMetadata
+
+
+@dataclass
+class GroupBatch:
+    """The scheduled batch seen by the layers of one kvcache group (one attention type)."""
+
+    meta: AttentionMetadata  # all scheduled requests
+    slot_mapping: torch.Tensor  # (T,) int64
+    sampled_block_tables: torch.Tensor  # (S, max_blocks) int32: rows of the sampled requests
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # (T,) int64
+    positions: torch.Tensor  # (T,) int64
+    groups: list[GroupBatch]  # one per kvcache group
+    logits_indices: torch.Tensor  # (S,) int64: the token of each sampled request in the flat batch
+    sampled_seq_lens: torch.Tensor  # (S,) int32: context of each sampled request after this step
+
+
+def ranges(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """cat(arange(starts[i], starts[i] + lens[i])) without a Python loop."""
+    offsets = torch.cumsum(lens, 0) - lens
+    idx = torch.arange(int(lens.sum()), device=lens.device)
+    return idx - torch.repeat_interleave(offsets - starts, lens)
+
+
+def pad_block_tables(tables: list[list[int]]) -> torch.Tensor:
+    # -> (R, max_blocks) int32, padded with the null block 0
+    width = max(1, max(len(t) for t in tables))
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+
+
+def build_model_input(
+    token_ids: list[int],
+    starts: list[int],
+    num_scheduled: list[int],
+    sampled: list[bool],
+    block_tables: list[list[list[int]]],  # [group][request] -> block ids
+    block_size: int,
+    device: torch.device,
+) -> ModelInput:
+    starts_t = torch.tensor(starts, dtype=torch.int64)
+    q_lens = torch.tensor(num_scheduled, dtype=torch.int64)
+    num_reqs = len(starts)
+    positions = ranges(starts_t, q_lens)  # (T,)
+    req_of_tok = torch.repeat_interleave(torch.arange(num_reqs), q_lens)  # (T,)
+    cu = F.pad(torch.cumsum(q_lens, 0), (1, 0))  # (R + 1,)
+    seq_lens = starts_t + q_lens
+    sampled_t = torch.tensor(sampled, dtype=torch.bool)
+    logits_indices = (cu[1:] - 1)[sampled_t]
+    groups = []
+    for tables in block_tables:
+        bt = pad_block_tables(tables)
+        slots = bt[req_of_tok, positions // block_size].long() * block_size + positions % block_size
+        meta = AttentionMetadata(
+            cu_seqlens_q=cu.to(torch.int32).to(device),
+            seq_lens=seq_lens.to(torch.int32).to(device),
+            block_tables=bt.to(device),
+            max_query_len=int(q_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        groups.append(GroupBatch(meta, slots.to(device), bt[sampled_t].to(device)))
+    return ModelInput(
+        input_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
+        positions=positions.to(device),
+        groups=groups,
+        logits_indices=logits_indices.to(device),
+        sampled_seq_lens=seq_lens[sampled_t].to(torch.int32).to(device),
+    )

@@ -60,7 +60,8 @@ def test_adapter_argument_mapping(monkeypatch):
     assert be.name == "flash_attn"
     kc = torch.zeros(3, 256, 2, 32)
     meta = types.SimpleNamespace(
-        cu_seqlens_q=torch.tensor([0, 3, 4], dtype=torch.int32), seq_lens=torch.tensor([300, 7], dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0, 3, 4], dtype=torch.int32),
+        seq_lens=torch.tensor([300, 7], dtype=torch.int32),
         block_tables=torch.tensor([[1, 2], [0, 0]], dtype=torch.int32), max_query_len=3, max_seq_len=300)
     q = torch.zeros(4, 6, 32)
     assert be.prefill(q, kc, kc, meta, 100, 0.5).shape == q.shape

@@ -55,7 +55,9 @@ def _import_flash_attn():
     return flash_attn_varlen_func, flash_attn_with_kvcache
 
 
-def torch_write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def torch_write_kv(
+    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """write_kv with torch indexing (any device). Slots < 0 are skipped."""
     n_layers, _, num_blocks, block_size = kv_cache.shape[:4]
     flat = kv_cache.view(n_layers, 2, num_blocks * block_size, *kv_cache.shape[4:])

@@ -88,7 +88,7 @@ class LLMEngine:
             self.runner.backend.name,
             len(specs),
         )
-        log_kv_cache(config, num_blocks, econf.block_size, econf.dtype, econf.max_model_len, len(specs))
+        log_kv_cache(config, num_blocks, econf.block_size, econf.dtype, econf.max_model_len, per_request)
 
     def detokenize(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:

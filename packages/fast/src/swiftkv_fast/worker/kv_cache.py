@@ -56,9 +56,8 @@ def allocate_kv_cache(config, num_blocks: int, block_size: int, dtype, device) -
     )
 
 
-def log_kv_cache(config, num_blocks, block_size, dtype, max_model_len, num_groups) -> None:
+def log_kv_cache(config, num_blocks, block_size, dtype, max_model_len, blocks_per_request) -> None:
     total = bytes_per_block(config, block_size, dtype) * num_blocks
-    blocks_per_req = num_groups * -(-max_model_len // block_size)
     logger.info(
         "KV cache: %d blocks of %d tokens (%.1f MiB, %d cache layers for %d model layers: %.0f%% of the full "
         "model's KV memory); maximum concurrency for %d-token requests: %.2fx",
@@ -69,5 +68,5 @@ def log_kv_cache(config, num_blocks, block_size, dtype, max_model_len, num_group
         config.num_hidden_layers,
         100 * config.num_cache_layers / config.num_hidden_layers,
         max_model_len,
-        (num_blocks - 1) / blocks_per_req,
+        (num_blocks - 1) / blocks_per_request,
     )

@@ -1,0 +1,113 @@
+"""Greedy tokens and fp32 logits at sampled positions equal the reference's, under every scheduling
+choice: block sizes 1/16, chunk budgets smaller than a prompt, prefix hits, preemption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_prompts, reference_greedy
+
+from swiftkv_fast import LLM, SamplingParams
+
+SLIDE = "sliding_attention"
+FULL = "full_attention"
+MODELS = {
+    "full": dict(num_hidden_layers=4),
+    "swiftkv_g1": dict(model_type="llama_swiftkv", num_hidden_layers=4, num_key_value_layers=2),
+    "swiftkv_g2": dict(
+        model_type="llama_swiftkv", num_hidden_layers=4, num_key_value_layers=2, key_value_group_size=2
+    ),
+    "mistral_window": dict(model_type="mistral", num_hidden_layers=3, sliding_window=24),
+    "mistral_swiftkv_g2": dict(
+        model_type="mistral_swiftkv", num_hidden_layers=4, sliding_window=20, num_key_value_layers=2,
+        key_value_group_size=2,
+    ),
+    "hybrid": dict(model_type="qwen2", num_hidden_layers=4, sliding_window=16, layer_types=[SLIDE, FULL, SLIDE, FULL]),
+    "hybrid_swiftkv": dict(
+        model_type="qwen2_swiftkv", num_hidden_layers=5, sliding_window=16, num_key_value_layers=1,
+        key_value_group_size=2, layer_types=[FULL, SLIDE, SLIDE, FULL, FULL],
+    ),
+}
+MAX_TOKENS = 5
+LENGTHS = [1, 300, 17, 64, 129, 2, 250]
+
+# (model, engine kwargs)
+CASES = [
+    ("full", dict(block_size=16)),
+    ("full", dict(block_size=1, max_num_batched_tokens=64)),
+    ("swiftkv_g1", dict(block_size=16, max_num_batched_tokens=100)),
+    ("swiftkv_g2", dict(block_size=1, max_num_batched_tokens=37)),
+    ("swiftkv_g2", dict(block_size=16, max_num_batched_tokens=4096)),
+    ("mistral_window", dict(block_size=16, max_num_batched_tokens=50)),
+    ("mistral_swiftkv_g2", dict(block_size=1, max_num_batched_tokens=90)),
+    ("hybrid", dict(block_size=16, max_num_batched_tokens=70)),
+    ("hybrid_swiftkv", dict(block_size=4, max_num_batched_tokens=128)),
+    # forced preemption: a cache that holds about two long requests
+    ("swiftkv_g2", dict(block_size=4, num_kv_blocks=120, max_model_len=320, max_num_batched_tokens=64)),
+    ("hybrid_swiftkv", dict(block_size=4, num_kv_blocks=125, max_model_len=320, max_num_batched_tokens=80)),
+]
+
+
+def _check(llm, model, prompts, outs):
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        tokens, logits = reference_greedy(model, prompt, MAX_TOKENS)
+        got = out.outputs[0]
+        assert got.token_ids == tokens, f"prompt {i} (len {len(prompt)})"
+        err = (got.logits - logits).abs().max().item()
+        assert err <= 1e-4, f"prompt {i} (len {len(prompt)}): max |logits diff| {err}"
+
+
+@pytest.mark.parametrize("name,engine_kwargs", CASES, ids=[f"{m}-{i}" for i, (m, _) in enumerate(CASES)])
+def test_greedy_matches_reference(tiny, name, engine_kwargs):
+    cfg, state, model = tiny(**MODELS[name])
+    llm = LLM.from_state_dict(cfg, state, return_logits=True, **engine_kwargs)
+    prompts = random_prompts(6, cfg.vocab_size, LENGTHS, seed=sum(map(ord, name)))
+    prompts.append(list(prompts[1]))  # a repeated prompt in the same batch
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    _check(llm, model, prompts, outs)
+    if "num_kv_blocks" in engine_kwargs:
+        assert llm.llm_engine.scheduler.num_preemptions > 0, "the case should preempt"
+    # the same prompts again: prefix hits from the first call
+    again = [prompts[1], prompts[4]]
+    outs2 = llm.generate(again, params, use_tqdm=False)
+    _check(llm, model, again, outs2)
+    assert outs2[0].num_cached_tokens > 0
+    assert llm.llm_engine.kv_manager.num_requests == 0
+
+
+def test_teacher_path_of_swiftkv_checkpoint(tiny):
+    """num_key_value_layers=N on a SwiftKV checkpoint runs the original layers (== plain model)."""
+    cfg, state, _ = tiny(**MODELS["swiftkv_g1"])
+    plain_cfg = cfg.replace(model_type="llama", num_key_value_layers=4, key_value_group_size=1)
+    plain_state = {k: v for k, v in state.items() if "swiftkv" not in k}
+    prompts = random_prompts(3, cfg.vocab_size, [5, 40, 90])
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    a = LLM.from_state_dict(cfg, state, num_key_value_layers=4).generate(prompts, params, use_tqdm=False)
+    b = LLM.from_state_dict(plain_cfg, plain_state).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
+def test_on_the_fly_conversion_matches_converted_reference(tiny):
+    from swiftkv_reference.checkpoint import swiftkv_init
+    from swiftkv_reference.model import SwiftKVForCausalLM
+
+    cfg, state, _ = tiny(**MODELS["full"])
+    new_cfg, new_state = swiftkv_init(cfg, state, 2, 2)
+    ref = SwiftKVForCausalLM(new_cfg)
+    ref.load_state_dict(new_state)
+    ref.eval()
+    llm = LLM.from_state_dict(cfg, state, num_key_value_layers=2, key_value_group_size=2)
+    assert llm.config.num_cache_layers == 3
+    prompts = random_prompts(2, cfg.vocab_size, [33, 70])
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == reference_greedy(ref, p, 4)[0]
+
+
+def test_kv_memory_acrosskv(tiny):
+    cfg, state, _ = tiny(**MODELS["swiftkv_g2"])
+    llm = LLM.from_state_dict(cfg, state, num_kv_blocks=10, block_size=16, max_model_len=128)
+    kv = llm.llm_engine.runner.kv_cache
+    assert tuple(kv.shape) == (3, 2, 10, 16, cfg.num_key_value_heads, cfg.head_dim)
+    torch.testing.assert_close(kv, torch.zeros_like(kv))

@@ -1,0 +1,22 @@
+"""The implementations under test, by test id. A new backend joins by adding its adapter here."""
+
+from __future__ import annotations
+
+from .base import EngineOptions, Implementation, Output, Runner, Sampling
+from .fast import FastCudaGraph, FastFlash, FastTorch, FastTriton
+from .reference import Reference
+
+IMPLEMENTATIONS: dict[str, type[Implementation]] = {
+    cls.name: cls for cls in (Reference, FastTorch, FastTriton, FastFlash, FastCudaGraph)
+}
+GPU_IMPLEMENTATIONS = [name for name, cls in IMPLEMENTATIONS.items() if cls.gpu]
+
+__all__ = [
+    "EngineOptions",
+    "Implementation",
+    "Output",
+    "Runner",
+    "Sampling",
+    "IMPLEMENTATIONS",
+    "GPU_IMPLEMENTATIONS",
+]

@@ -1,0 +1,153 @@
+"""The one interface an implementation provides to the conformance suite.
+
+A new backend joins the suite by adding a subclass of `Implementation` (and listing it in
+`adapters/__init__.py`); no test changes. The tests only ever see:
+
+    impl.available()                      -> (ok, reason)     can it run on this machine?
+    impl.unsupported(engine, dtype)       -> reason or None   a case this implementation cannot serve
+    impl.build(config, state_dict, engine, dtype) -> Runner   one engine on tiny random weights
+    runner.generate(prompts, sampling)    -> list[Output]     token ids, logprobs, fp32 logits rows
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+ENV_VARS = (
+    "TRITON_INTERPRET",
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_LAUNCH_BLOCKING",
+    "TORCH_COMPILE_DISABLE",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "SWIFTKV_IMPL",
+    "HF_HUB_OFFLINE",
+    "OMP_NUM_THREADS",
+)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Scheduling / cache knobs of an engine. `None` means the implementation's default."""
+
+    block_size: int = 16
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = False
+
+    def replace(self, **changes: Any) -> EngineOptions:
+        return dataclasses.replace(self, **changes)
+
+    def short(self) -> str:
+        parts = [f"bs{self.block_size}"]
+        if self.max_num_batched_tokens is not None:
+            parts.append(f"chunk{self.max_num_batched_tokens}")
+        if self.max_num_seqs is not None:
+            parts.append(f"seqs{self.max_num_seqs}")
+        if self.num_kv_blocks is not None:
+            parts.append(f"blocks{self.num_kv_blocks}")
+        parts.append("pc" if self.enable_prefix_caching else "nopc")
+        return "-".join(parts)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """One request's sampling settings, in the names both packages share (vLLM's)."""
+
+    max_tokens: int = 4
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    logprobs: int = 5  # top-n logprobs, needed by the low-precision rule
+    ignore_eos: bool = True  # fixed lengths: tiny random models emit EOS by chance
+
+
+@dataclass
+class Output:
+    """One request's generation. Row i of every field belongs to generated token i."""
+
+    token_ids: list[int]
+    logprobs: list[float] = field(default_factory=list)  # log-prob of each chosen token
+    top_logprobs: list[dict[int, float]] | None = None  # top-n {token: logprob} at each position
+    logits: torch.Tensor | None = None  # (len(token_ids), vocab) fp32 logits at the sampled positions
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
+
+
+class Runner(ABC):
+    """A built engine (or model) on one set of weights."""
+
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], sampling: list[Sampling]) -> list[Output]:
+        """Outputs in input order."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release memory (GPU engines)."""
+
+
+class Implementation(ABC):
+    """A stateless description of one implementation under test."""
+
+    name: ClassVar[str]  # the test id
+    gpu: ClassVar[bool] = False  # part of `--impl gpu`
+    interpreted: ClassVar[bool] = False  # slow (Triton interpreter): only the small cases run
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    @classmethod
+    @abstractmethod
+    def available(cls) -> tuple[bool, str]:
+        """(True, "") or (False, why it cannot run on this machine)."""
+
+    @classmethod
+    def version(cls) -> str:
+        return "?"
+
+    @classmethod
+    def device(cls) -> str:
+        return "cpu"
+
+    def default_engine(self) -> EngineOptions:
+        return EngineOptions()
+
+    def unsupported(self, engine: EngineOptions) -> str | None:
+        """A reason this implementation cannot serve `engine` (the case is skipped), or None."""
+        return None
+
+    @abstractmethod
+    def build(self, config: Any, state_dict: dict[str, torch.Tensor], engine: EngineOptions) -> Runner: ...
+
+    def describe(self) -> str:
+        return f"{self.name} {self.version()} device={self.device()} dtype={str(self.dtype).removeprefix('torch.')}"
+
+
+def env_snapshot() -> dict[str, str]:
+    return {k: os.environ[k] for k in ENV_VARS if k in os.environ}
+
+
+def top_logprobs_from_logits(logits: torch.Tensor, k: int) -> list[dict[int, float]]:
+    """Top-k {token: logprob} per row, computed from fp32 logits rows (log_softmax of the raw row)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    values, indices = logp.topk(min(k, logp.shape[-1]), dim=-1)
+    return [dict(zip(i.tolist(), v.tolist())) for i, v in zip(indices, values)]
+
+
+def dataclass_kwargs(cls: Any, wanted: dict[str, Any]) -> dict[str, Any]:
+    """The entries of `wanted` that `cls` (a dataclass or a class with keyword init) accepts."""
+    if dataclasses.is_dataclass(cls):
+        names = {f.name for f in dataclasses.fields(cls)}
+    else:
+        import inspect
+
+        params = inspect.signature(cls).parameters
+        if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            return dict(wanted)
+        names = set(params)
+    return {k: v for k, v in wanted.items() if k in names}

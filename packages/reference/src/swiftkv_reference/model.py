@@ -186,7 +186,7 @@ class SwiftKVForCausalLM(nn.Module):
             # Early exit: only the tokens whose logits are needed run layers L..N-1.
             h, positions = h[logits_indices], positions[logits_indices]
             cos, sin = cos[logits_indices], sin[logits_indices]
-            for i in range(cfg.num_key_value_layers, cfg.num_hidden_layers):
+            for i in range(cfg.num_key_value_layers, cfg.num_hidden_layers if len(h) else 0):
                 h = self._layer(i, h, positions, cos, sin, cache, own_kv=False)
         else:
             h = h[logits_indices]
@@ -206,5 +206,5 @@ class SwiftKVForCausalLM(nn.Module):
         q = layer.self_attn.project_q(x, cos, sin, swiftkv=not own_kv)
         k_all, v_all, k_positions = cache.get(c)
         out = attention(q, k_all, v_all, positions, k_positions, self.config.window(i), self.scale)
-        h = h + layer.self_attn.o_proj(out.reshape(out.shape[0], -1))
+        h = h + layer.self_attn.o_proj(out.flatten(1))
         return h + layer.mlp(layer.post_attention_layernorm(h))

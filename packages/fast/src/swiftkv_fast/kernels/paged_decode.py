@@ -19,7 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_cache, dot_precision, interpreting, next_pow2
+from ._common import check_cache, check_device, dot_precision, interpreting, next_pow2
+
+_INTERPRETED = interpreting()  # fixed when the kernels below are defined
 
 _LOG2E = 1.4426950408889634
 
@@ -163,7 +165,8 @@ def paged_decode(
     if window is not None and window <= 0:
         raise ValueError(f"window must be positive or None, got {window}")
     q_per_kv = num_heads // kv_heads
-    if interpreting():
+    check_device(q, _INTERPRETED)
+    if _INTERPRETED:
         block_n, warps, stages = 16, 1, 1
     else:
         block_n, warps, stages = (64 if head_dim <= 128 else 32), 4, 2
@@ -194,6 +197,6 @@ def paged_decode(
         _reduce_splits_kernel[(num_reqs, num_heads)](
             out, part_o, part_lse, *out.stride(), num_heads, head_dim,
             NUM_SPLITS=num_splits, BLOCK_S=max(2, next_pow2(num_splits)), BLOCK_D=block_d,
-            num_warps=1 if interpreting() else 4,
+            num_warps=1 if _INTERPRETED else 4,
         )
     return out

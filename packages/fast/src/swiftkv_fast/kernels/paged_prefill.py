@@ -13,7 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_cache, dot_precision, interpreting, next_pow2
+from ._common import check_cache, check_device, dot_precision, interpreting, next_pow2
+
+_INTERPRETED = interpreting()  # fixed when the kernels below are defined
 
 _LOG2E = 1.4426950408889634
 
@@ -133,11 +135,12 @@ def paged_prefill(
         return out
     if window is not None and window <= 0:
         raise ValueError(f"window must be positive or None, got {window}")
-    if interpreting():
+    check_device(q, _INTERPRETED)
+    if _INTERPRETED:
         block_m, block_n, warps, stages = 16, 16, 1, 1
     else:
         block_m, block_n = 64, (64 if head_dim <= 64 else 32)
-        warps, stages = 4, 2
+        warps, stages = (4 if head_dim <= 64 else 8), 2
     block_d = max(16, next_pow2(head_dim))
     grid = (triton.cdiv(int(max_query_len), block_m), num_reqs, num_heads)
     _paged_prefill_kernel[grid](

@@ -6,7 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2
+from ._common import check_device, interpreting, next_pow2
+
+_INTERPRETED = interpreting()  # fixed when the kernel below is defined
 
 
 @triton.jit
@@ -63,11 +65,12 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
         raise ValueError(f"slot_mapping must be ({num_tokens},), got {tuple(slot_mapping.shape)}")
     if num_tokens == 0 or n_layers == 0:
         return
+    check_device(kv_cache, _INTERPRETED)
     _write_kv_kernel[(num_tokens, n_layers)](
         kv_cache, k, v, slot_mapping,
         *kv_cache.stride(),
         *k.stride(), *v.stride(),
         block_size, kv_heads, head_dim,
-        BLOCK_H=next_pow2(kv_heads), BLOCK_D=next_pow2(head_dim),
+        BLOCK_H=max(2, next_pow2(kv_heads)), BLOCK_D=max(16, next_pow2(head_dim)),
         num_warps=1 if kv_heads * head_dim <= 256 else 4,
     )

@@ -1,5 +1,4 @@
 import pytest
-
 from kvcache import NONE_HASH, BlockPool, Request, hash_block_tokens, sha256_hash
 from kvcache.hashing import block_extra_keys, extend_block_hashes
 
@@ -140,7 +139,8 @@ def test_request_hashes_salt_lora_and_append():
     plain.append_output_token_ids([8, 9, 10])
     assert len(plain.block_hashes) == 2
     plain.append_output_token_ids(11)
-    assert len(plain.block_hashes) == 3 and plain.num_tokens == 12 and plain.output_token_ids == [8, 9, 10, 11]
+    assert len(plain.block_hashes) == 3 and plain.num_tokens == 12
+    assert plain.output_token_ids == [8, 9, 10, 11]
     with pytest.raises(ValueError, match="already hashed"):
         plain.bind_hasher(8, sha256_hash)
 

@@ -1,5 +1,4 @@
 import pytest
-
 from kvcache import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 
 

@@ -1,5 +1,4 @@
 import pytest
-
 from kvcache import FullAttentionSpec, KVCacheManager, Request, SlidingWindowSpec
 from kvcache.specs import cdiv
 
@@ -421,7 +420,8 @@ def test_reset_prefix_cache_and_usage():
 
 
 def test_max_blocks_helpers():
-    mgr = KVCacheManager([FullAttentionSpec(16), SlidingWindowSpec(16, 4096)], num_blocks=10, max_model_len=32768)
+    groups = [FullAttentionSpec(16), SlidingWindowSpec(16, 4096)]
+    mgr = KVCacheManager(groups, num_blocks=10, max_model_len=32768)
     assert mgr.max_num_blocks_per_request == 2048
     assert mgr.max_num_held_blocks(2048) == 2048 + cdiv(4095 + 2048, 16) + 1
     assert mgr.num_blocks == 10

@@ -8,7 +8,6 @@ a prefix hit must return blocks whose recorded prefix equals the request's.
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
 from kvcache import FullAttentionSpec, KVCacheManager, Request, SlidingWindowSpec
 
 CONFIGS = [

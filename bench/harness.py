@@ -1,0 +1,163 @@
+"""The timing harness every benchmark uses.
+
+`run_interleaved` times several cases against each other: warm-up calls first (discarded), then
+`repeat` rounds, each round calling every case once in the same order (A, B, A, B, ...), so slow
+drifts of a loaded machine hit all cases alike. `Stats` summarises one metric (median, min, max,
+quartiles); `paired_ratio` divides two metrics round by round (the ratio of round i uses the two
+measurements of round i only) and summarises those ratios.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Median and spread of repeated measurements."""
+
+    median: float
+    min: float
+    max: float
+    q1: float
+    q3: float
+    n: int
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Stats:
+        if not values:
+            raise ValueError("Stats.of needs at least one value")
+        xs = sorted(float(v) for v in values)
+        if len(xs) == 1:
+            q1 = q3 = xs[0]
+        else:
+            q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+        return cls(statistics.median(xs), xs[0], xs[-1], q1, q3, len(xs))
+
+    @property
+    def iqr(self) -> float:
+        return self.q3 - self.q1
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    def fmt(self, digits: int = 1) -> str:
+        """`median [min–max]`, or just the median for one measurement."""
+        if self.n == 1:
+            return f"{self.median:.{digits}f}"
+        return f"{self.median:.{digits}f} [{self.min:.{digits}f}-{self.max:.{digits}f}]"
+
+
+@dataclass
+class Sample:
+    """One call of one case: wall seconds and whatever metrics the case returned."""
+
+    seconds: float
+    metrics: dict[str, Any]
+
+
+def timed(fn: Callable[[], dict[str, Any] | None]) -> Sample:
+    start = time.perf_counter()
+    metrics = fn() or {}
+    return Sample(time.perf_counter() - start, dict(metrics))
+
+
+def run_interleaved(
+    cases: dict[str, Callable[[], dict[str, Any] | None]],
+    repeat: int = 3,
+    warmup: int = 1,
+    warmup_cases: dict[str, Callable[[], Any]] | None = None,
+    progress: bool = False,
+) -> dict[str, list[Sample]]:
+    """Call every case `warmup` times (or its cheaper `warmup_cases` stand-in), then `repeat`
+    rounds of A, B, C, ...; returns the samples of each case in round order.
+
+    A case returns a dict of metrics it measured itself (e.g. per-request latencies), or None;
+    the harness always records its wall time as `seconds`. `progress` shows a tqdm bar over the calls.
+    """
+    from tqdm.auto import tqdm
+
+    if repeat < 1:
+        raise ValueError("repeat must be >= 1")
+    bar = tqdm(total=len(cases) * (warmup + repeat), disable=not progress, unit="run", dynamic_ncols=True)
+    try:
+        for name, fn in cases.items():
+            stand_in = (warmup_cases or {}).get(name, fn)
+            for _ in range(warmup):
+                bar.set_description(f"warm-up {name}")
+                log.debug("warm-up: %s", name)
+                stand_in()
+                bar.update()
+        samples: dict[str, list[Sample]] = {name: [] for name in cases}
+        for round_ in range(repeat):
+            for name, fn in cases.items():
+                bar.set_description(f"round {round_ + 1}/{repeat} {name}")
+                log.debug("round %d/%d: %s", round_ + 1, repeat, name)
+                samples[name].append(timed(fn))
+                bar.update()
+    finally:
+        bar.close()
+    return samples
+
+
+def metric(samples: Sequence[Sample], key: str) -> list[float]:
+    """One metric across rounds: `seconds` or a key the case returned."""
+    return [s.seconds if key == "seconds" else s.metrics[key] for s in samples]
+
+
+def paired_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> Stats:
+    """Ratio of two cases measured in the same rounds: round i divides by round i only."""
+    if len(numerator) != len(denominator):
+        raise ValueError(f"paired_ratio needs equal rounds, got {len(numerator)} and {len(denominator)}")
+    return Stats.of([a / b for a, b in zip(numerator, denominator)])
+
+
+def machine_info() -> dict[str, Any]:
+    """What a reader needs to judge a number: CPUs, load, versions, device, date, commit."""
+    import torch
+
+    info: dict[str, Any] = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "git_commit": _git_commit(),
+    }
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        info["transformers"] = None
+    return info
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5, check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None

@@ -48,7 +48,7 @@ def test_top_k_and_top_p_masks():
     x = torch.tensor([1.0, 3.0, 2.0, 3.0, 0.0])
     assert torch.isinf(apply_top_k_top_p(x, 2, 1.0)).tolist() == [True, False, True, False, True]
     assert torch.isinf(apply_top_k_top_p(x, 100, 1.0)).sum() == 0  # k clamped to the vocab
-    # probabilities 0.5, 0.3, 0.2: top_p = 0.5 keeps only the first (0.5 - 0.5 = 0 < 0.5 kept, next 0.5 >= 0.5)
+    # probabilities 0.5, 0.3, 0.2: top_p = 0.5 keeps only the first (the next has cum - p = 0.5 >= 0.5)
     x = torch.log(torch.tensor([0.3, 0.5, 0.2]))
     assert torch.isinf(apply_top_k_top_p(x, 0, 0.5)).tolist() == [True, False, True]
     assert torch.isinf(apply_top_k_top_p(x, 0, 0.51)).tolist() == [False, False, True]

@@ -118,8 +118,13 @@ def test_hash_chain_and_extra_keys():
     extend_block_hashes(hashes, toks, 4)
     assert len(hashes) == 2
     h0 = hash_block_tokens(None, toks[:4])
-    assert hashes[0] == h0 == sha256_hash((NONE_HASH, (0, 1, 2, 3), None))
+    assert hashes[0] == h0 != hash_block_tokens(None, toks[:4], (("lora", 1),))
     assert hashes[1] == hash_block_tokens(h0, toks[4:8])
+    # a custom hash_fn gets vLLM's tuple
+    custom = []
+    extend_block_hashes(custom, toks, 4, hash_fn=sha256_hash)
+    assert custom[0] == sha256_hash((NONE_HASH, (0, 1, 2, 3), None)) != h0
+    assert custom[1] == hash_block_tokens(custom[0], toks[4:8], hash_fn=sha256_hash)
     assert block_extra_keys(0, None, None) is None
     assert block_extra_keys(0, 7, "s") == (("lora", 7), ("cache_salt", "s"))
     assert block_extra_keys(1, 7, "s") == (("lora", 7),)
@@ -131,9 +136,10 @@ def test_request_hashes_salt_lora_and_append():
     salted = Request("b", list(range(8)), cache_salt="s")
     lora = Request("c", list(range(8)), lora_id=3)
     for r in (plain, salted, lora):
-        r.bind_hasher(4, sha256_hash)
+        r.bind_hasher(4)
     assert len({plain.block_hashes[0], salted.block_hashes[0], lora.block_hashes[0]}) == 3
     # the salt is only on block 0, but the chain carries it
+    assert salted.block_hashes[0] == hash_block_tokens(None, range(4), (("cache_salt", "s"),))
     assert salted.block_hashes[1] == hash_block_tokens(salted.block_hashes[0], range(4, 8))
     assert lora.block_hashes[1] == hash_block_tokens(lora.block_hashes[0], range(4, 8), (("lora", 3),))
     plain.append_output_token_ids([8, 9, 10])
@@ -142,7 +148,7 @@ def test_request_hashes_salt_lora_and_append():
     assert len(plain.block_hashes) == 3 and plain.num_tokens == 12
     assert plain.output_token_ids == [8, 9, 10, 11]
     with pytest.raises(ValueError, match="already hashed"):
-        plain.bind_hasher(8, sha256_hash)
+        plain.bind_hasher(8)
 
 
 def test_request_validation():

@@ -17,7 +17,7 @@ CONFIGS = [
     [SlidingWindowSpec(block_size=2, window=5)],
     [SlidingWindowSpec(block_size=2, window=1)],
     [FullAttentionSpec(2), SlidingWindowSpec(block_size=2, window=3)],
-    [SlidingWindowSpec(block_size=2, window=4), FullAttentionSpec(2), SlidingWindowSpec(block_size=2, window=7)],
+    [SlidingWindowSpec(2, 4), FullAttentionSpec(2), SlidingWindowSpec(2, 7)],
 ]
 PREFIXES = [(), (1, 2, 3, 1, 2, 3), (1, 2, 3, 1, 0, 0, 1, 1), (3, 3, 3, 3, 3, 3, 3, 3, 3, 3)]
 MAX_MODEL_LEN = 40

@@ -1,17 +1,23 @@
 """Chained block hashes over full blocks.
 
-``hash_i = H((hash_{i-1} or NONE_HASH, tuple(tokens of block i), extra_keys_i))``.
-``H`` is SHA-256 over a pickle of the tuple (collision-safe, deterministic across
-processes); only full blocks are hashed, so a hash names the whole prefix up to and
-including its block. Extra keys: ``("lora", lora_id)`` on every block of a LoRA
-request, then ``("cache_salt", salt)`` on the first block only (so salted requests
-share nothing with others, yet the chain carries the salt to every later block).
+``hash_i = H(hash_{i-1} or NONE_HASH, tokens of block i, extra_keys_i)``; only full
+blocks are hashed, so a hash names the whole prefix up to and including its block.
+Extra keys: ``("lora", lora_id)`` on every block of a LoRA request, then
+``("cache_salt", salt)`` on the first block only (so salted requests share nothing
+with others, yet the chain carries the salt to every later block).
+
+Default ``H``: SHA-256 (collision-safe, deterministic across processes) over an
+injective byte encoding: the 32-byte parent, the block's token ids as 8-byte
+little-endian integers, then ``pickle(extra_keys)`` when there are any. A custom
+``hash_fn`` receives the tuple ``(parent, tuple(token_ids), extra_keys)`` instead
+(vLLM's convention) and must return bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
 import pickle
+from array import array
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -19,16 +25,17 @@ BlockHash = bytes
 HashFn = Callable[[Any], bytes]
 
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
+_sha256 = hashlib.sha256
 
 
 def sha256_hash(obj: Any) -> bytes:
-    """SHA-256 digest of ``pickle.dumps(obj)``: the default, collision-safe hash."""
-    return hashlib.sha256(pickle.dumps(obj, protocol=_PROTOCOL)).digest()
+    """SHA-256 digest of ``pickle.dumps(obj)``: a collision-safe ``hash_fn`` for any object."""
+    return _sha256(pickle.dumps(obj, protocol=_PROTOCOL)).digest()
 
 
 #: Parent of the first block: a fixed seed (vLLM 0.33 uses H(seed) with a fixed seed
 #: string for cryptographic hashes), so hashes are reproducible across processes.
-NONE_HASH: BlockHash = hashlib.sha256(b"kvcache-none-hash").digest()
+NONE_HASH: BlockHash = _sha256(b"kvcache-none-hash").digest()
 
 
 def block_extra_keys(block_index: int, lora_id: Hashable | None, cache_salt: str | None) -> tuple | None:
@@ -41,14 +48,21 @@ def block_extra_keys(block_index: int, lora_id: Hashable | None, cache_salt: str
     return keys or None
 
 
+def _extra_bytes(extra_keys: tuple | None) -> bytes:
+    return b"" if extra_keys is None else pickle.dumps(extra_keys, protocol=_PROTOCOL)
+
+
 def hash_block_tokens(
     parent_hash: BlockHash | None,
     token_ids: Sequence[int],
     extra_keys: tuple | None = None,
-    hash_fn: HashFn = sha256_hash,
+    hash_fn: HashFn | None = None,
 ) -> BlockHash:
     """Hash of one full block given its parent's hash (None for the first block)."""
-    return hash_fn((NONE_HASH if parent_hash is None else parent_hash, tuple(token_ids), extra_keys))
+    parent = NONE_HASH if parent_hash is None else parent_hash
+    if hash_fn is not None:
+        return hash_fn((parent, tuple(token_ids), extra_keys))
+    return _sha256(parent + array("q", token_ids).tobytes() + _extra_bytes(extra_keys)).digest()
 
 
 def extend_block_hashes(
@@ -57,7 +71,7 @@ def extend_block_hashes(
     block_size: int,
     lora_id: Hashable | None = None,
     cache_salt: str | None = None,
-    hash_fn: HashFn = sha256_hash,
+    hash_fn: HashFn | None = None,
 ) -> None:
     """Append the hashes of every full block of ``token_ids`` not yet in ``block_hashes``."""
     n_full = len(token_ids) // block_size
@@ -66,11 +80,24 @@ def extend_block_hashes(
         return
     parent = block_hashes[-1] if block_hashes else NONE_HASH
     lora_key = (("lora", lora_id),) if lora_id is not None else None
-    for i in range(first, n_full):
-        if i == 0 and cache_salt is not None:
-            extra = block_extra_keys(0, lora_id, cache_salt)
-        else:
-            extra = lora_key
-        start = i * block_size
-        parent = hash_fn((parent, tuple(token_ids[start : start + block_size]), extra))
-        block_hashes.append(parent)
+    if hash_fn is not None:
+        for i in range(first, n_full):
+            extra = block_extra_keys(0, lora_id, cache_salt) if i == 0 else lora_key
+            start = i * block_size
+            parent = hash_fn((parent, tuple(token_ids[start : start + block_size]), extra))
+            block_hashes.append(parent)
+        return
+    step = 8 * block_size
+    data = array("q", token_ids[first * block_size : n_full * block_size]).tobytes()
+    tail = _extra_bytes(lora_key)
+    pos = 0
+    append = block_hashes.append
+    if first == 0 and cache_salt is not None:
+        parent = _sha256(parent + data[:step] + _extra_bytes(block_extra_keys(0, lora_id, cache_salt))).digest()
+        append(parent)
+        pos = step
+    end = len(data)
+    while pos < end:
+        parent = _sha256(parent + data[pos : pos + step] + tail).digest()
+        append(parent)
+        pos += step

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from kvcache.block import KVCacheBlock
 from kvcache.block_pool import BlockPool
-from kvcache.hashing import HashFn, sha256_hash
+from kvcache.hashing import HashFn
 from kvcache.request import Request
 from kvcache.single_type_manager import SingleTypeKVCacheManager, manager_class_for
 from kvcache.specs import KVCacheSpec, cdiv
@@ -78,7 +78,7 @@ class KVCacheManager:
         num_blocks: int,
         max_model_len: int,
         enable_caching: bool = True,
-        hash_fn: HashFn = sha256_hash,
+        hash_fn: HashFn | None = None,
     ) -> None:
         groups = list(groups)
         if not groups:

@@ -73,12 +73,13 @@ class Request:
             token_ids = list(token_ids)
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
-        if self._hash_fn is not None:
+        if self._hash_block_size:
             self._extend_hashes()
 
-    def bind_hasher(self, block_size: int, hash_fn: HashFn) -> None:
-        """Fix the block size and hash function of ``block_hashes`` (done by the manager)."""
-        if self._hash_fn is None:
+    def bind_hasher(self, block_size: int, hash_fn: HashFn | None = None) -> None:
+        """Fix the block size and hash function (None: the default SHA-256) of
+        ``block_hashes``; done by the manager on first contact."""
+        if not self._hash_block_size:
             self._hash_block_size = block_size
             self._hash_fn = hash_fn
             self._extend_hashes()
@@ -95,7 +96,7 @@ class Request:
             self._hash_block_size,
             self.lora_id,
             self.cache_salt,
-            self._hash_fn,  # type: ignore[arg-type]
+            self._hash_fn,
         )
 
     def __repr__(self) -> str:

@@ -50,7 +50,7 @@ def sample(
         sel = torch.tensor(rows)
         temps = torch.tensor([params[i].temperature for i in rows], dtype=logits.dtype)
         x = logits[sel] / temps[:, None]
-        top_k = torch.tensor([params[i].top_k for i in rows])
+        top_k = torch.tensor([min(params[i].top_k, logits.shape[-1]) for i in rows])
         kr = (top_k > 0).nonzero().squeeze(1)
         if kr.numel():
             x[kr] = _apply_top_k(x[kr], top_k[kr])

@@ -29,11 +29,7 @@ class ScheduledRequest:
     start: int  # num_computed_tokens before this step (prefix hit included)
     num_tokens: int  # tokens scheduled this step
     block_ids: tuple[list[int], ...]  # block table per kvcache group (after allocation)
-
-    @property
-    def sampled(self) -> bool:
-        """True when this step computes the request's last known token, so a new token is sampled."""
-        return self.start + self.num_tokens == self.request.num_tokens
+    sampled: bool  # this step computes the request's last known token: a new token is sampled
 
 
 @dataclass
@@ -125,7 +121,8 @@ class Scheduler:
             budget -= n
         for req, start, n in scheduled:
             req.num_computed_tokens = start + n
-            out.scheduled.append(ScheduledRequest(req, start, n, self.kv.get_block_ids(req.request_id)))
+            sampled = start + n == req.num_tokens
+            out.scheduled.append(ScheduledRequest(req, start, n, self.kv.get_block_ids(req.request_id), sampled))
         return out
 
     def update_from_output(self, out: SchedulerOutput, sampled_tokens: dict[str, int]) -> list[Request]:

@@ -1,0 +1,110 @@
+"""The LLM API on a tiny model: outputs, bad input (ValueError naming the request and field, engine
+still usable), checkpoint shape errors, stop tokens, backend selection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_prompts
+from swiftkv_fast import LLM, SamplingParams
+from swiftkv_fast.attention import TorchBackend, get_attention_backend
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    cfg, state, _ = tiny(model_type="llama_swiftkv", num_hidden_layers=4, num_key_value_layers=2)
+    return LLM.from_state_dict(cfg, state, block_size=8, max_model_len=256, num_kv_blocks=200)
+
+
+def _params(**changes):
+    p = SamplingParams(temperature=0, max_tokens=4)
+    for k, v in changes.items():
+        setattr(p, k, v)  # bypass __post_init__ to reach generate's own check
+    return p
+
+
+@pytest.mark.parametrize(
+    "prompt,params,match",
+    [
+        ([], GREEDY, r"request 1: prompt is empty"),
+        ([5] * 257, GREEDY, r"request 1: prompt has 257 tokens.*max_model_len=256"),
+        ([5, 128], GREEDY, r"request 1: prompt_token_ids \[128\] are outside the vocabulary"),
+        ([5, -1], GREEDY, r"request 1: prompt_token_ids \[-1\]"),
+        ([5], _params(temperature=-0.5), r"request 1: sampling_params.temperature must be >= 0"),
+        ([5], _params(top_p=0.0), r"request 1: sampling_params.top_p"),
+        ([5], _params(top_p=1.5), r"request 1: sampling_params.top_p"),
+        ([5], _params(max_tokens=0), r"request 1: sampling_params.max_tokens"),
+        ("hello", GREEDY, r"request 1: a text prompt needs a tokenizer"),
+    ],
+)
+def test_bad_input_raises_before_work_and_engine_survives(llm, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate([[1, 2, 3], prompt], [GREEDY, params], use_tqdm=False)
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests() and engine.kv_manager.num_requests == 0
+    out = llm.generate([[4, 5, 6]], GREEDY, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_sampling_params_validate_on_construction():
+    for kwargs in (dict(temperature=-1), dict(top_p=0), dict(max_tokens=0), dict(top_k=-2), dict(min_tokens=20)):
+        with pytest.raises(ValueError):
+            SamplingParams(**kwargs)
+
+
+def test_outputs_in_input_order_with_metrics(llm):
+    prompts = random_prompts(5, 128, [40, 3, 90, 1, 20])
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (5, 1, 3, 2, 4)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == prompts
+    assert [len(o.outputs[0].token_ids) for o in outs] == [5, 1, 3, 2, 4]
+    for o in outs:
+        assert o.finished and o.outputs[0].finish_reason == "length"
+        assert o.metrics.ttft is not None and o.metrics.ttft >= 0
+    assert outs[0].metrics.tpot is not None and outs[1].metrics.tpot is None
+    # a single token-id prompt is accepted as is, and repeats hit the prefix cache
+    again = llm.generate(prompts[0], params[0], use_tqdm=False)
+    assert again[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    assert again[0].num_cached_tokens == (40 - 1) // 8 * 8  # the last token is always recomputed
+
+
+def test_stop_token_ids_and_logprobs(llm):
+    base = llm.generate([[7, 8, 9]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    tokens = base[0].outputs[0].token_ids
+    stop_at = tokens[2]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop_token_ids=[stop_at], logprobs=3)
+    out = llm.generate([[7, 8, 9]], params, use_tqdm=False)[0].outputs[0]
+    k = tokens.index(stop_at)
+    assert out.token_ids == tokens[: k + 1] and out.finish_reason == "stop" and out.stop_reason == stop_at
+    assert len(out.logprobs) == k + 1 and all(len(d) >= 3 for d in out.logprobs)
+    for tok, d in zip(out.token_ids, out.logprobs):
+        assert max(d.values()) == d[tok]  # greedy: the chosen token is the most likely
+
+
+def test_wrong_checkpoint_shape_names_tensor(tiny):
+    cfg, state, _ = tiny(num_hidden_layers=2)
+    bad = dict(state)
+    bad["model.layers.1.mlp.up_proj.weight"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        LLM.from_state_dict(cfg, bad)
+
+
+def test_engine_config_errors(tiny):
+    cfg, state, _ = tiny(num_hidden_layers=2)
+    with pytest.raises(ValueError, match="attention_backend"):
+        LLM.from_state_dict(cfg, state, attention_backend="nope")
+    with pytest.raises(ValueError, match="cannot hold one request"):
+        LLM.from_state_dict(cfg, state, num_kv_blocks=4)
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM.from_state_dict(cfg, state, max_model_len=100000)
+
+
+def test_backend_registry():
+    assert isinstance(get_attention_backend("auto", "cpu"), TorchBackend)
+    assert get_attention_backend("torch", "cpu").name == "torch"
+    with pytest.raises(RuntimeError, match="CUDA"):
+        get_attention_backend("flash_attn", "cpu")
+    with pytest.raises(ValueError):
+        get_attention_backend("xformers", "cpu")

@@ -93,7 +93,8 @@ def extend_block_hashes(
     pos = 0
     append = block_hashes.append
     if first == 0 and cache_salt is not None:
-        parent = _sha256(parent + data[:step] + _extra_bytes(block_extra_keys(0, lora_id, cache_salt))).digest()
+        head = _extra_bytes(block_extra_keys(0, lora_id, cache_salt))
+        parent = _sha256(parent + data[:step] + head).digest()
         append(parent)
         pos = step
     end = len(data)

@@ -201,73 +201,104 @@ class KVCacheManager:
         """
         if not isinstance(request, Request):
             raise TypeError(f"expected a Request, got {type(request).__name__}")
+        if type(num_new_tokens) is not int or num_new_tokens < 1:
+            _check_count("num_new_tokens", num_new_tokens, 1)
+        if type(num_lookahead_tokens) is not int or num_lookahead_tokens < 0:
+            _check_count("num_lookahead_tokens", num_lookahead_tokens, 0)
         rid = request.request_id
         held = self._requests.get(rid)
-        is_new = held is None
-        if not is_new and held is not request:
+        if held is None or hit is not None:
+            return self._admit(request, held, num_new_tokens, hit, num_lookahead_tokens)
+        if held is not request:
             raise ValueError(f"duplicate request id {rid!r}: another request with this id holds blocks")
-        _check_count("num_new_tokens", num_new_tokens, 1)
-        _check_count("num_lookahead_tokens", num_lookahead_tokens, 0)
+        # A running request (the hot path: every decode step).
         num_computed = request.num_computed_tokens
-        if is_new and num_computed != 0:
+        total_computed = num_computed + num_new_tokens
+        self._check_lengths(request, num_computed, 0, num_new_tokens, num_lookahead_tokens)
+        total = total_computed + num_lookahead_tokens
+        managers = self.managers
+        need = 0
+        for m in managers:
+            n = -(-total // m.block_size) - len(m.req_to_blocks[rid])
+            if n > 0:
+                need += n
+        num_free = self.block_pool.free_block_queue.num_free_blocks
+        if need > num_free:
+            if need > num_free + sum(m.num_freed_by_skip(rid, num_computed) for m in managers):
+                return None
+        if num_computed:
+            for m in managers:
+                m.remove_skipped(rid, num_computed)
+        if need:
+            new_ids = tuple([b.block_id for b in m.allocate_new_blocks(rid, total)] for m in managers)
+        else:
+            new_ids = tuple([] for _ in managers)
+        if self.enable_caching:
+            for m in managers:
+                if total_computed // m.block_size > m.num_cached_block[rid]:
+                    m.cache_blocks(request, total_computed)
+        return new_ids
+
+    def _check_lengths(
+        self, request: Request, num_computed: int, hit_tokens: int, num_new: int, num_lookahead: int
+    ) -> None:
+        total_computed = num_computed + hit_tokens + num_new
+        if total_computed > len(request.all_token_ids):
             raise ValueError(
-                f"request {rid!r} holds no blocks but num_computed_tokens={num_computed} "
-                "(reset it to 0 on preemption)"
+                f"request {request.request_id!r}: {num_computed} computed + {hit_tokens} hit + {num_new} "
+                f"new tokens exceed its {request.num_tokens} tokens"
             )
-        hit_tokens = 0
-        hit_blocks: tuple[list[KVCacheBlock], ...] | None = None
+        if total_computed + num_lookahead > self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r} would need {total_computed + num_lookahead} tokens "
+                f"> max_model_len={self.max_model_len}"
+            )
+
+    def _admit(
+        self,
+        request: Request,
+        held: Request | None,
+        num_new_tokens: int,
+        hit: CacheHit | None,
+        num_lookahead_tokens: int,
+    ) -> tuple[list[int], ...] | None:
+        """``allocate_slots`` for a request that holds no blocks yet (with or without a hit)."""
+        rid = request.request_id
         if hit is not None:
             if not isinstance(hit, CacheHit):
                 raise TypeError(f"hit must come from get_computed_blocks, got {type(hit).__name__}")
             if hit.request_id != rid:
                 raise ValueError(f"hit belongs to request {hit.request_id!r}, not {rid!r}")
-            if not is_new and hit.num_tokens:
+        if held is not None:
+            if held is not request:
+                raise ValueError(f"duplicate request id {rid!r}: another request with this id holds blocks")
+            if hit is not None and hit.num_tokens:
                 raise ValueError(f"request {rid!r} is running: a hit only applies to a new request")
-            hit_tokens = hit.num_tokens
-        total_computed = num_computed + hit_tokens + num_new_tokens
-        if total_computed > request.num_tokens:
+            return self.allocate_slots(request, num_new_tokens, None, num_lookahead_tokens)
+        if request.num_computed_tokens != 0:
             raise ValueError(
-                f"request {rid!r}: {num_computed} computed + {hit_tokens} hit + {num_new_tokens} new tokens "
-                f"exceed its {request.num_tokens} tokens"
+                f"request {rid!r} holds no blocks but num_computed_tokens={request.num_computed_tokens} "
+                "(reset it to 0 on preemption)"
             )
-        total = total_computed + num_lookahead_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"request {rid!r} would need {total} tokens > max_model_len={self.max_model_len}"
-            )
+        hit_tokens = 0 if hit is None else hit.num_tokens
+        self._check_lengths(request, 0, hit_tokens, num_new_tokens, num_lookahead_tokens)
+        self._bind(request)
         managers = self.managers
-        if is_new:
-            self._bind(request)
-            if hit_tokens:
-                hit_blocks = self._checked_hit_blocks(request, hit)  # type: ignore[arg-type]
-
-        # Capacity. Blocks the skip would free count as available; apply nothing yet.
-        pool = self.block_pool
-        if hit_blocks is None:
-            need = sum(m.get_num_blocks_to_allocate(rid, total) for m in managers)
+        if hit_tokens:
+            hit_blocks = self._checked_hit_blocks(request, hit)  # type: ignore[arg-type]
         else:
-            need = sum(m.get_num_blocks_to_allocate(rid, total, hb) for m, hb in zip(managers, hit_blocks))
-        num_free = pool.free_block_queue.num_free_blocks
-        if need > num_free and (
-            is_new or need > num_free + sum(m.num_freed_by_skip(rid, num_computed) for m in managers)
-        ):
+            hit_blocks = tuple(() for _ in managers)
+        total_computed = hit_tokens + num_new_tokens
+        total = total_computed + num_lookahead_tokens
+        need = sum(m.get_num_blocks_to_allocate(rid, total, hb) for m, hb in zip(managers, hit_blocks))
+        if need > self.block_pool.free_block_queue.num_free_blocks:
             return None
-
-        # Commit.
-        if is_new:
-            self._requests[rid] = request
-            request._num_admissions += 1
-            if hit_blocks is None:
-                for m in managers:
-                    m.add_request(rid, ())
-            else:
-                for m, hb in zip(managers, hit_blocks):
-                    m.add_request(rid, hb)
-            if self.enable_caching:
-                self._stats.record(request.num_tokens, hit_tokens, request._num_admissions > 1)
-        elif num_computed:
-            for m in managers:
-                m.remove_skipped(rid, num_computed)
+        self._requests[rid] = request
+        request._num_admissions += 1
+        for m, hb in zip(managers, hit_blocks):
+            m.add_request(rid, hb)
+        if self.enable_caching:
+            self._stats.record(request.num_tokens, hit_tokens, request._num_admissions > 1)
         new_ids = tuple([b.block_id for b in m.allocate_new_blocks(rid, total)] for m in managers)
         if self.enable_caching:
             for m in managers:

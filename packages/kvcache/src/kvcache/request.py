@@ -72,8 +72,10 @@ class Request:
         else:
             token_ids = list(token_ids)
         self.output_token_ids.extend(token_ids)
-        self.all_token_ids.extend(token_ids)
-        if self._hash_block_size:
+        all_ids = self.all_token_ids
+        all_ids.extend(token_ids)
+        bs = self._hash_block_size
+        if bs and len(all_ids) // bs > len(self.block_hashes):
             self._extend_hashes()
 
     def bind_hasher(self, block_size: int, hash_fn: HashFn | None = None) -> None:

@@ -98,13 +98,16 @@ class EngineCase:
     shared_prefix: int = 0
     interp: bool = False  # also run under the Triton interpreter
     expect_cache_hits: bool | None = None  # True: some prompt tokens must come from the prefix cache
+    expect_preemption: bool = False  # the pool is too small for the batch: the engine must preempt
+    prompt_lengths: tuple[int, ...] | None = None  # (after the shared prefix); None: the suite's default
+    max_tokens: int | None = None
 
 
 def engine_cases(model_name: str) -> dict[str, EngineCase]:
     two_groups = FULL in MODEL_CASES[model_name].get("layer_types", [FULL]) and SLIDING in MODEL_CASES[
         model_name
     ].get("layer_types", [])
-    tiny_pool = 40 if two_groups else 20  # bs 4: the longest request fits alone, the batch does not
+    tiny_pool = 26 if two_groups else 14  # bs 4: one request fits alone, the batch does not
     E = EngineOptions
     return {
         "bs1": EngineCase(E(block_size=1)),
@@ -134,11 +137,15 @@ def engine_cases(model_name: str) -> dict[str, EngineCase]:
             shared_prefix=20,
             expect_cache_hits=False,
         ),
-        "preempt-bs4": EngineCase(E(block_size=4, num_kv_blocks=tiny_pool, max_num_seqs=8)),
+        # four equal requests admitted together, then every decode needs a new block: preemption
+        "preempt-bs4": EngineCase(
+            E(block_size=4, num_kv_blocks=tiny_pool, max_num_seqs=8, max_model_len=32),
+            prompt_lengths=(12, 12, 12, 12), max_tokens=8, expect_preemption=True,
+        ),
         "preempt-bs4-prefix": EngineCase(
-            E(block_size=4, num_kv_blocks=tiny_pool, enable_prefix_caching=True, max_num_batched_tokens=16),
-            waves="prefix",
-            shared_prefix=12,
+            E(block_size=4, num_kv_blocks=tiny_pool, enable_prefix_caching=True, max_model_len=32,
+              max_num_batched_tokens=16),
+            waves="prefix", shared_prefix=8, prompt_lengths=(4, 4, 4, 4), max_tokens=8,
         ),
     }
 
@@ -192,6 +199,7 @@ class Workbench:
         self._models: dict[str, tuple[Any, dict[str, torch.Tensor]]] = {}
         self._expected: dict[Any, list[Output]] = {}
         self._runners: OrderedDict[Any, Runner] = OrderedDict()
+        self._baselines: dict[Any, list[Output]] = {}
         self._ref_models: dict[str, torch.nn.Module] = {}
         self.max_runners = max_runners
 
@@ -222,6 +230,14 @@ class Workbench:
                 self._expected[key] = reference_generate(self.reference_model(name), [p], [s])
             outs.append(self._expected[key][0])
         return outs
+
+    def baseline(self, impl: Implementation, name: str, prompts: list[list[int]], sampling: list[Sampling]):
+        """The implementation's own outputs under its default engine, one batch (memoized)."""
+        key = (impl.name, str(impl.dtype), name, tuple(map(tuple, prompts)), tuple(sampling))
+        if key not in self._baselines:
+            engine = impl.default_engine()
+            self._baselines[key] = submit(self.runner(impl, name, engine), prompts, sampling, "all")
+        return self._baselines[key]
 
     def runner(self, impl: Implementation, name: str, engine: EngineOptions) -> Runner:
         if impl.name == "reference":  # share the oracle's module (weights are read-only)

@@ -39,23 +39,28 @@ def test_engine_matrix(impl, model, engine_name, bench, request):
     lengths = SMALL_PROMPT_LENGTHS if impl.interpreted else PROMPT_LENGTHS
     if ec.shared_prefix:
         lengths = tuple(max(1, n // 3) for n in lengths)
+    lengths = ec.prompt_lengths or lengths
     prompts = make_prompts(config.vocab_size, lengths, seed=21, shared_prefix=ec.shared_prefix)
-    sampling = [Sampling(max_tokens=3 if impl.interpreted else 5)] * len(prompts)
+    max_tokens = ec.max_tokens or (3 if impl.interpreted else 5)
+    sampling = [Sampling(max_tokens=max_tokens)] * len(prompts)
     case = Case(request.node.nodeid, impl, model, ec.options, ec.waves, prompts, sampling)
 
     # a fresh engine: the prefix-cache state must be the one this case sets up
     runner = bench.fresh_runner(impl, model, ec.options)
     try:
         actual = submit(runner, prompts, sampling, ec.waves)
+        counters = runner.counters()
     finally:
         runner.close()
 
     expected = bench.expected(model, prompts, sampling)
     print(against_reference(impl, actual, expected, case))
 
-    baseline = submit(bench.runner(impl, model, impl.default_engine()), prompts, sampling, "all")
+    baseline = bench.baseline(impl, model, prompts, sampling)
     invariant(impl, actual, baseline, case, what=f"engine {engine_name}")
 
+    if ec.expect_preemption and "num_preemptions" in counters:
+        assert counters["num_preemptions"] > 0, f"the tiny pool forced no preemption\n{case.describe()}"
     if ec.expect_cache_hits is not None:
         cached = [o.num_cached_tokens for o in actual[1:]]
         if any(c is None for c in cached):

@@ -40,6 +40,7 @@ class EngineOptions:
     max_num_seqs: int | None = None
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = False
+    max_model_len: int | None = None
 
     def replace(self, **changes: Any) -> EngineOptions:
         return dataclasses.replace(self, **changes)
@@ -52,6 +53,8 @@ class EngineOptions:
             parts.append(f"seqs{self.max_num_seqs}")
         if self.num_kv_blocks is not None:
             parts.append(f"blocks{self.num_kv_blocks}")
+        if self.max_model_len is not None:
+            parts.append(f"len{self.max_model_len}")
         parts.append("pc" if self.enable_prefix_caching else "nopc")
         return "-".join(parts)
 
@@ -86,6 +89,10 @@ class Runner(ABC):
     @abstractmethod
     def generate(self, prompts: list[list[int]], sampling: list[Sampling]) -> list[Output]:
         """Outputs in input order."""
+
+    def counters(self) -> dict[str, int]:
+        """Engine counters the suite can check (e.g. "num_preemptions"); {} when not exposed."""
+        return {}
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release memory (GPU engines)."""

@@ -27,6 +27,9 @@ from .base import (
 )
 
 
+DEFAULT_POOL_TOKENS = 4096  # per cache group, when a case does not size the pool itself
+
+
 def _cuda() -> bool:
     return torch.cuda.is_available()
 
@@ -122,6 +125,11 @@ class _FastRunner(Runner):
         outs = gen([list(p) for p in prompts], params, **kwargs)
         return [convert_output(o, s) for o, s in zip(outs, sampling)]
 
+    def counters(self) -> dict[str, int]:
+        scheduler = getattr(getattr(self.llm, "llm_engine", None), "scheduler", None)
+        value = getattr(scheduler, "num_preemptions", None)
+        return {} if value is None else {"num_preemptions": int(value)}
+
     def close(self) -> None:
         for name in ("shutdown", "close"):
             fn = getattr(self.llm, name, None)
@@ -176,10 +184,12 @@ class Fast(Implementation):
             "dtype": self.dtype,
             "device": self.device(),
         }
-        for name in ("max_num_batched_tokens", "max_num_seqs", "num_kv_blocks"):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "num_kv_blocks", "max_model_len"):
             value = getattr(engine, name)
             if value is not None:
                 kwargs[name] = value
+        # tiny models, short prompts: a small pool instead of the engine's memory-sized default
+        kwargs.setdefault("num_kv_blocks", DEFAULT_POOL_TOKENS // engine.block_size + 2)
         return kwargs
 
     def build(self, config: Any, state_dict: dict[str, torch.Tensor], engine: EngineOptions) -> Runner:

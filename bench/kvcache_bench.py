@@ -103,7 +103,7 @@ def replay(
         i = 0
         while i < len(running) and budget:
             req = running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
             while True:
                 t0 = perf()
                 new = mgr.allocate_slots(req, n)
@@ -146,16 +146,15 @@ def replay(
             req.num_computed_tokens += n
             if sliding:
                 for m in sliding:
-                    table = m.req_to_blocks[req.request_id]
-                    k = len(table) - table.count(null)
+                    k = held_blocks(m.req_to_blocks[req.request_id], null)
                     if k > max_sliding_held:
                         max_sliding_held = k
-            if req.num_computed_tokens == req.num_tokens:
+            if req.num_computed_tokens == len(req.all_token_ids):
                 out_done = len(req.output_token_ids) + 1 >= targets[req.request_id]
                 if out_done or req.num_tokens >= mgr.max_model_len:
                     done.append(req)
                 else:
-                    req.append_output_token_ids(rng.randrange(256))
+                    req.append_output_token_ids(rng.getrandbits(8))
         for req in done:
             mgr.free(req)
             running.remove(req)
@@ -180,6 +179,18 @@ def replay(
         "hit_tokens": stats.hits,
         "max_sliding_blocks_per_request": max_sliding_held if sliding else None,
     }
+
+
+def held_blocks(table: list, null: object) -> int:
+    """Non-null entries of a sliding-window table (its nulls are a prefix): binary search."""
+    lo, hi = 0, len(table)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if table[mid] is null:
+            lo = mid + 1
+        else:
+            hi = mid
+    return len(table) - lo
 
 
 def time_init(num_blocks: int = 1_000_000, repeat: int = 3) -> float:

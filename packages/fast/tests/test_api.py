@@ -49,7 +49,13 @@ def test_bad_input_raises_before_work_and_engine_survives(llm, prompt, params, m
 
 
 def test_sampling_params_validate_on_construction():
-    for kwargs in (dict(temperature=-1), dict(top_p=0), dict(max_tokens=0), dict(top_k=-2), dict(min_tokens=20)):
+    for kwargs in (
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(max_tokens=0),
+        dict(top_k=-2),
+        dict(min_tokens=20),
+    ):
         with pytest.raises(ValueError):
             SamplingParams(**kwargs)
 
@@ -71,10 +77,14 @@ def test_outputs_in_input_order_with_metrics(llm):
 
 
 def test_stop_token_ids_and_logprobs(llm):
-    base = llm.generate([[7, 8, 9]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    base = llm.generate(
+        [[7, 8, 9]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False
+    )
     tokens = base[0].outputs[0].token_ids
     stop_at = tokens[2]
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop_token_ids=[stop_at], logprobs=3)
+    params = SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True, stop_token_ids=[stop_at], logprobs=3
+    )
     out = llm.generate([[7, 8, 9]], params, use_tqdm=False)[0].outputs[0]
     k = tokens.index(stop_at)
     assert out.token_ids == tokens[: k + 1] and out.finish_reason == "stop" and out.stop_reason == stop_at
@@ -108,3 +118,18 @@ def test_backend_registry():
         get_attention_backend("flash_attn", "cpu")
     with pytest.raises(ValueError):
         get_attention_backend("xformers", "cpu")
+
+
+def test_cli_convert_and_load_directory(tiny, tmp_path):
+    from swiftkv_fast.cli import main
+    from swiftkv_reference.checkpoint import save_checkpoint
+
+    cfg, state, _ = tiny(num_hidden_layers=4)
+    save_checkpoint(tmp_path / "plain", cfg, state)
+    assert main(["convert", str(tmp_path / "plain"), str(tmp_path / "skv"), "--num-key-value-layers", "2"]) == 0
+    prompt = [[5, 6, 7, 8]]
+    a = LLM(str(tmp_path / "skv"), max_model_len=128, num_kv_blocks=64).generate(prompt, GREEDY, use_tqdm=False)
+    b = LLM(str(tmp_path / "plain"), num_key_value_layers=2, max_model_len=128, num_kv_blocks=64).generate(
+        prompt, GREEDY, use_tqdm=False
+    )
+    assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_prompts, reference_greedy
-
 from swiftkv_fast import LLM, SamplingParams
 
 SLIDE = "sliding_attention"
@@ -19,13 +18,22 @@ MODELS = {
     ),
     "mistral_window": dict(model_type="mistral", num_hidden_layers=3, sliding_window=24),
     "mistral_swiftkv_g2": dict(
-        model_type="mistral_swiftkv", num_hidden_layers=4, sliding_window=20, num_key_value_layers=2,
+        model_type="mistral_swiftkv",
+        num_hidden_layers=4,
+        sliding_window=20,
+        num_key_value_layers=2,
         key_value_group_size=2,
     ),
-    "hybrid": dict(model_type="qwen2", num_hidden_layers=4, sliding_window=16, layer_types=[SLIDE, FULL, SLIDE, FULL]),
+    "hybrid": dict(
+        model_type="qwen2", num_hidden_layers=4, sliding_window=16, layer_types=[SLIDE, FULL, SLIDE, FULL]
+    ),
     "hybrid_swiftkv": dict(
-        model_type="qwen2_swiftkv", num_hidden_layers=5, sliding_window=16, num_key_value_layers=1,
-        key_value_group_size=2, layer_types=[FULL, SLIDE, SLIDE, FULL, FULL],
+        model_type="qwen2_swiftkv",
+        num_hidden_layers=5,
+        sliding_window=16,
+        num_key_value_layers=1,
+        key_value_group_size=2,
+        layer_types=[FULL, SLIDE, SLIDE, FULL, FULL],
     ),
 }
 MAX_TOKENS = 5

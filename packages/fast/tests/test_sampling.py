@@ -72,7 +72,10 @@ def test_unseeded_requests_follow_engine_seed(tiny):
     prompts = random_prompts(3, cfg.vocab_size, [5, 9, 13])
     params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
     runs = [
-        [o.outputs[0].token_ids for o in LLM.from_state_dict(cfg, state, seed=s).generate(prompts, params, use_tqdm=False)]
+        [
+            o.outputs[0].token_ids
+            for o in LLM.from_state_dict(cfg, state, seed=s).generate(prompts, params, use_tqdm=False)
+        ]
         for s in (0, 0, 1)
     ]
     assert runs[0] == runs[1]

@@ -49,7 +49,10 @@ def test_budget_and_chunked_prefill():
     sched = make(budget=16)
     a, b, c = add(sched, "a", 10), add(sched, "b", 10), add(sched, "c", 10)
     out, _ = step(sched)
-    assert [(s.request.request_id, s.start, s.num_tokens) for s in out.scheduled] == [("a", 0, 10), ("b", 0, 6)]
+    assert [(s.request.request_id, s.start, s.num_tokens) for s in out.scheduled] == [
+        ("a", 0, 10),
+        ("b", 0, 6),
+    ]
     assert [s.sampled for s in out.scheduled] == [True, False]
     assert out.num_scheduled_tokens == 16 and c.status == RequestStatus.WAITING
     assert a.num_output_tokens == 1 and b.num_output_tokens == 0

@@ -122,7 +122,9 @@ class Scheduler:
         for req, start, n in scheduled:
             req.num_computed_tokens = start + n
             sampled = start + n == req.num_tokens
-            out.scheduled.append(ScheduledRequest(req, start, n, self.kv.get_block_ids(req.request_id), sampled))
+            out.scheduled.append(
+                ScheduledRequest(req, start, n, self.kv.get_block_ids(req.request_id), sampled)
+            )
         return out
 
     def update_from_output(self, out: SchedulerOutput, sampled_tokens: dict[str, int]) -> list[Request]:

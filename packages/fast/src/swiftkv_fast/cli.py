@@ -1,0 +1,171 @@
+"""The `swiftkv` command line.
+
+swiftkv generate --prompt "What is the capital of France?" --chat --temperature 0
+echo "Once upon a time" | swiftkv generate --num-key-value-layers 15 --max-tokens 64
+swiftkv convert path/to/llama path/to/llama-swiftkv --num-key-value-layers 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate text for one or more prompts",
+        description="Generate text. Prompts come from --prompt (repeatable), --prompts-file (one per line), "
+        "or stdin (one per line) when neither is given. Without --model the embedded "
+        "SmolLM2-135M-Instruct is used.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--model", default=None, help="checkpoint directory (default: the embedded SmolLM2-135M-Instruct)"
+    )
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeat the flag for several)")
+    p.add_argument("--prompts-file", type=Path, help="a text file with one prompt per line")
+    p.add_argument(
+        "--chat", action="store_true", help="wrap each prompt as a user message in the chat template"
+    )
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1, help="-1 disables top-k")
+    g.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
+    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    g.add_argument(
+        "--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token"
+    )
+    e = p.add_argument_group("engine")
+    e.add_argument(
+        "--num-key-value-layers",
+        type=int,
+        default=None,
+        help="SwiftKV L: layers >= L take their KV from layer L's input (a plain checkpoint is converted on "
+        "the fly; quality needs distillation)",
+    )
+    e.add_argument(
+        "--key-value-group-size", type=int, default=None, help="AcrossKV G: layers sharing one KV cache"
+    )
+    e.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    e.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    e.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash_attn"])
+    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--max-num-seqs", type=int, default=256)
+    e.add_argument("--max-num-batched-tokens", type=int, default=4096, help="token budget per step")
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
+    e.add_argument("--no-prefix-caching", action="store_true")
+    p.set_defaults(func=_generate)
+
+
+def _add_convert(sub) -> None:
+    p = sub.add_parser(
+        "convert",
+        help="turn a plain Llama/Mistral/Qwen2 checkpoint into a SwiftKV checkpoint",
+        description="Write a SwiftKV checkpoint initialised as Snowflake's trainer does (norm_swiftkv from "
+        "layer L's input norm, q_proj_swiftkv from q_proj, k/v_proj_swiftkv as the group mean). The result "
+        "runs as is, but its quality needs distillation.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("src", type=Path, help="plain checkpoint directory (config.json + *.safetensors)")
+    p.add_argument("dst", type=Path, help="output directory")
+    p.add_argument("--num-key-value-layers", type=int, required=True, help="SwiftKV L")
+    p.add_argument("--key-value-group-size", type=int, default=1, help="AcrossKV G")
+    p.set_defaults(func=_convert)
+
+
+def _read_prompts(args) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        prompts += [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
+    if not prompts:
+        if sys.stdin.isatty():
+            print("reading prompts from stdin, one per line (Ctrl-D to end)", file=sys.stderr)
+        prompts = [line for line in sys.stdin.read().splitlines() if line.strip()]
+    if not prompts:
+        raise SystemExit("no prompts: use --prompt, --prompts-file or stdin")
+    return prompts
+
+
+def _generate(args) -> None:
+    from swiftkv_fast import LLM, SamplingParams
+
+    prompts = _read_prompts(args)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        min_tokens=args.min_tokens,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+    llm = LLM(
+        args.model,
+        num_key_value_layers=args.num_key_value_layers,
+        key_value_group_size=args.key_value_group_size,
+        dtype=args.dtype,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+    start = time.perf_counter()
+    if args.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        print(f"--- [{i}] {prompt!r}")
+        print(out.outputs[0].text)
+    n_in = sum(len(o.prompt_token_ids) for o in outs)
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(
+        f"Throughput: {len(outs) / elapsed:.2f} requests/s, {(n_in + n_out) / elapsed:.1f} total tokens/s, "
+        f"{n_out / elapsed:.1f} output tokens/s ({n_in} prompt + {n_out} output tokens in {elapsed:.2f} s)"
+    )
+
+
+def _convert(args) -> None:
+    from swiftkv_reference.checkpoint import convert_to_swiftkv
+
+    dst = convert_to_swiftkv(args.src, args.dst, args.num_key_value_layers, args.key_value_group_size)
+    print(f"wrote {dst}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="swiftkv",
+        description="SwiftKV inference: prompt tokens that will not be sampled stop after layer L; the KV "
+        "cache of the later layers is computed from layer L's input in one projection.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_generate(sub)
+    _add_convert(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except ValueError as e:
+        print(f"swiftkv: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

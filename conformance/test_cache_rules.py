@@ -83,7 +83,7 @@ class Shadow:
                 held = self.slots.get((block, p % bs))
                 assert held == tuple(tokens[: p + 1]), (
                     f"group {g}: position {p} in block {block} holds KV of another prefix "
-                    f"({'never written' if held is None else f'last token {held[-1]} at length {len(held)}'})\n{context}"
+                    f"({'never written' if held is None else f'a prefix of length {len(held)}'})\n{context}"
                 )
 
 
@@ -139,13 +139,14 @@ def run_trace(
             if exact_hits:
                 want = expected_hit(cm, req.all_token_ids, cached, block_size, windows)
                 assert hit.num_tokens == want, (
-                    f"{req.request_id}: prefix hit {hit.num_tokens} tokens, brute force says {want}\n{context()}"
+                    f"{req.request_id}: prefix hit {hit.num_tokens} tokens, brute force {want}\n{context()}"
                 )
             n = data.draw(st.integers(1, req.num_tokens - hit.num_tokens), label="first chunk")
             if mgr.allocate_slots(req, n, hit=hit) is not None:
                 waiting.pop(0)
                 log.append(
-                    f"admit {req.request_id}: hit {hit.num_tokens}, chunk {n}, tables {mgr.get_block_ids(req.request_id)}"
+                    f"admit {req.request_id}: hit {hit.num_tokens}, chunk {n}, "
+                    f"tables {mgr.get_block_ids(req.request_id)}"
                 )
                 last_alloc[req.request_id] = hit.num_tokens
                 note_alloc(req, hit.num_tokens, hit.num_tokens + n)
@@ -176,7 +177,8 @@ def run_trace(
                     break
             else:
                 log.append(
-                    f"step {req.request_id}: {n} tokens from {start}, tables {mgr.get_block_ids(req.request_id)}"
+                    f"step {req.request_id}: {n} tokens from {start}, "
+                    f"tables {mgr.get_block_ids(req.request_id)}"
                 )
                 last_alloc[req.request_id] = start
                 note_alloc(req, start, start + n)
@@ -198,7 +200,8 @@ def run_trace(
                 lo = min(keep) if keep else basis
                 for j in range(min(lo // block_size, len(table))):
                     assert table[j] == NULL, (
-                        f"{req.request_id} group {g}: block {j} (positions {j * block_size}..{(j + 1) * block_size - 1}) "
+                        f"{req.request_id} group {g}: block {j} "
+                        f"(positions {j * block_size}..{(j + 1) * block_size - 1}) "
                         f"is held but everything before position {lo} is outside the window {w} "
                         f"(computed {basis} at the last allocation): {table}\n{context()}"
                     )

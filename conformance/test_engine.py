@@ -13,6 +13,8 @@ from .adapters.base import Sampling
 from .cases import PROMPT_LENGTHS, SMALL_PROMPT_LENGTHS, Case, engine_cases, make_prompts, submit
 from .checks import against_reference, invariant
 
+pytestmark = pytest.mark.engine  # the reference has no engine: these tests do not apply to it
+
 ENGINE_MODELS = ("swiftkv-half", "hybrid-acrosskv-window")
 INTERPRETER_ENGINE_MODELS = ("hybrid-acrosskv-window",)
 _ALL = [(m, e) for m in ENGINE_MODELS for e in engine_cases(m)]
@@ -20,10 +22,6 @@ _ALL = [(m, e) for m in ENGINE_MODELS for e in engine_cases(m)]
 
 @pytest.mark.parametrize(("model", "engine_name"), _ALL, ids=[f"{m}-{e}" for m, e in _ALL])
 def test_engine_matrix(impl, model, engine_name, bench, request):
-    if impl.name == "reference":
-        pytest.skip(
-            "engine options (block size, chunking, prefix caching, pool size) do not apply to the reference"
-        )
     ec = engine_cases(model)[engine_name]
     if impl.interpreted and not (ec.interp and model in INTERPRETER_ENGINE_MODELS):
         pytest.skip(
@@ -77,8 +75,6 @@ def test_engine_matrix(impl, model, engine_name, bench, request):
 
 def test_prefix_cache_state_invariance(impl, bench, request):
     """The same request before and after its own prefix is cached (and after the cache is reset)."""
-    if impl.name == "reference":
-        pytest.skip("the reference has no prefix cache")
     model = "hybrid-acrosskv-window"
     if impl.interpreted:
         pytest.skip(f"{impl.name} under the Triton interpreter: covered by the prefix-on engine case")

@@ -42,7 +42,7 @@ def test_seeded_sampling(impl, model, bench, request):
         pytest.skip("seeded sampling equals the reference token for token only in fp32")
     if impl.interpreted:
         pytest.skip(
-            f"{impl.name} under the Triton interpreter: sampling is backend-independent, covered by fast-torch"
+            f"{impl.name} under the Triton interpreter: the sampler is backend-independent (see fast-torch)"
         )
     engine = impl.default_engine()
     config, _ = bench.model(model)

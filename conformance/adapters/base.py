@@ -104,6 +104,7 @@ class Implementation(ABC):
     name: ClassVar[str]  # the test id
     gpu: ClassVar[bool] = False  # part of `--impl gpu`
     interpreted: ClassVar[bool] = False  # slow (Triton interpreter): only the small cases run
+    has_engine: ClassVar[bool] = True  # scheduling knobs exist (tests marked `engine` apply)
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
@@ -132,7 +133,8 @@ class Implementation(ABC):
     def build(self, config: Any, state_dict: dict[str, torch.Tensor], engine: EngineOptions) -> Runner: ...
 
     def describe(self) -> str:
-        return f"{self.name} {self.version()} device={self.device()} dtype={str(self.dtype).removeprefix('torch.')}"
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{self.name} {self.version()} device={self.device()} dtype={dtype}"
 
 
 def env_snapshot() -> dict[str, str]:

@@ -26,7 +26,6 @@ from .base import (
     top_logprobs_from_logits,
 )
 
-
 DEFAULT_POOL_TOKENS = 4096  # per cache group, when a case does not size the pool itself
 
 

@@ -112,6 +112,7 @@ class ReferenceRunner(Runner):
 
 class Reference(Implementation):
     name = "reference"
+    has_engine = False
 
     def __init__(self, dtype: torch.dtype):
         super().__init__(torch.float32)  # the oracle always runs fp32 on CPU, whatever --dtype says
@@ -134,7 +135,7 @@ class Reference(Implementation):
 
     def unsupported(self, engine: EngineOptions) -> str | None:
         if engine != self.default_engine():
-            return "engine options (block size, chunking, prefix caching, pool size) do not apply to the reference"
+            return "engine options (block size, chunking, caching, pool size) do not apply to the reference"
         return None
 
     def build(self, config: Any, state_dict: dict[str, torch.Tensor], engine: EngineOptions) -> Runner:

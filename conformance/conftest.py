@@ -68,6 +68,7 @@ def _dtype(config: pytest.Config) -> torch.dtype:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    selected_impls(config)  # a bad --impl is a usage error before collection
     config.addinivalue_line("markers", "impl_only(*names): run this test only for these implementations")
     config.addinivalue_line(
         "markers", "engine: a test of scheduling knobs (only implementations with an engine)"

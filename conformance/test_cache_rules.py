@@ -23,7 +23,7 @@ kvcache = pytest.importorskip("kvcache", reason="kvcache is not importable")
 
 NULL = 0
 BIG_POOL = 4000
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _cache_model():

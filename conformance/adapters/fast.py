@@ -255,11 +255,17 @@ class FastFlash(Fast):
     gpu = True
 
     @classmethod
+    def device(cls) -> str:
+        return "cuda" if _cuda() else "cuda (absent)"
+
+    @classmethod
     def available(cls) -> tuple[bool, str]:
         if not _cuda():
             return False, "flash-attn needs CUDA; no CUDA device here"
         if importlib.util.find_spec("flash_attn") is None:
             return False, "flash-attn is not installed"
+        if importlib.util.find_spec("swiftkv_fast.attention.flash_backend") is None:
+            return False, "swiftkv_fast has no flash_attn backend module (attention/flash_backend.py)"
         return cls._base_available()
 
     @classmethod
@@ -284,6 +290,10 @@ class FastCudaGraph(Fast):
     backend = "triton"
     enforce_eager = False
     gpu = True
+
+    @classmethod
+    def device(cls) -> str:
+        return "cuda" if _cuda() else "cuda (absent)"
 
     @classmethod
     def available(cls) -> tuple[bool, str]:

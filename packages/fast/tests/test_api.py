@@ -126,9 +126,13 @@ def test_cli_convert_and_load_directory(tiny, tmp_path):
 
     cfg, state, _ = tiny(num_hidden_layers=4)
     save_checkpoint(tmp_path / "plain", cfg, state)
-    assert main(["convert", str(tmp_path / "plain"), str(tmp_path / "skv"), "--num-key-value-layers", "2"]) == 0
+    assert (
+        main(["convert", str(tmp_path / "plain"), str(tmp_path / "skv"), "--num-key-value-layers", "2"]) == 0
+    )
     prompt = [[5, 6, 7, 8]]
-    a = LLM(str(tmp_path / "skv"), max_model_len=128, num_kv_blocks=64).generate(prompt, GREEDY, use_tqdm=False)
+    a = LLM(str(tmp_path / "skv"), max_model_len=128, num_kv_blocks=64).generate(
+        prompt, GREEDY, use_tqdm=False
+    )
     b = LLM(str(tmp_path / "plain"), num_key_value_layers=2, max_model_len=128, num_kv_blocks=64).generate(
         prompt, GREEDY, use_tqdm=False
     )

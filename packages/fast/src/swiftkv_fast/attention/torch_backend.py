@@ -24,12 +24,10 @@ def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_kv: int) -> 
 
 
 def _sdpa(q, k, v, mask, scale, is_causal=False):
-    # q: (R, H, Sq, D); k, v: (R, KVH, Sk, D); mask: (R, 1, Sq, Sk) bool or None
-    if q.shape[1] != k.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+    # q: (R, H, Sq, D); k, v: (R, KVH, Sk, D); mask: (R, 1, Sq, Sk) bool or None. GQA without copies.
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
 
 
 class TorchBackend(AttentionBackend):
@@ -39,12 +37,12 @@ class TorchBackend(AttentionBackend):
         # kv_cache: (n_layers, 2, num_blocks, block_size, kv_heads, head_dim); k, v: (T, n_layers, kvh, hd)
         n_layers, _, num_blocks, block_size = kv_cache.shape[:4]
         flat = kv_cache.view(n_layers, 2, num_blocks * block_size, *kv_cache.shape[4:])
-        kv = torch.stack((k, v), dim=2).permute(1, 2, 0, 3, 4).to(kv_cache.dtype)  # (n_layers, 2, T, kvh, hd)
         slot_mapping = slot_mapping.long()
         valid = slot_mapping >= 0
         if not bool(valid.all()):
-            kv, slot_mapping = kv[:, :, valid], slot_mapping[valid]
-        flat.index_copy_(2, slot_mapping, kv)
+            k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
+        flat[:, 0].index_copy_(1, slot_mapping, k.transpose(0, 1).to(kv_cache.dtype))
+        flat[:, 1].index_copy_(1, slot_mapping, v.transpose(0, 1).to(kv_cache.dtype))
 
     def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, window, scale):
         cu = meta.cu_seqlens_q.long()
@@ -77,10 +75,14 @@ class TorchBackend(AttentionBackend):
         num_reqs, max_q, max_kv = q_lens.shape[0], meta.max_query_len, meta.max_seq_len
         seq_lens = meta.seq_lens.long()
         cu = meta.cu_seqlens_q.long()
-        req_of_tok = torch.repeat_interleave(torch.arange(num_reqs, device=q.device), q_lens)  # (T,)
-        j_of_tok = torch.arange(q.shape[0], device=q.device) - cu[req_of_tok]  # (T,)
-        qpad = q.new_zeros(num_reqs, max_q, *q.shape[1:])
-        qpad[req_of_tok, j_of_tok] = q
+        no_padding = q.shape[0] == num_reqs * max_q  # every request has max_q queries: a plain view
+        if no_padding:
+            qpad = q.unflatten(0, (num_reqs, max_q))
+        else:
+            req_of_tok = torch.repeat_interleave(torch.arange(num_reqs, device=q.device), q_lens)  # (T,)
+            j_of_tok = torch.arange(q.shape[0], device=q.device) - cu[req_of_tok]  # (T,)
+            qpad = q.new_zeros(num_reqs, max_q, *q.shape[1:])
+            qpad[req_of_tok, j_of_tok] = q
         k = _gather_kv(k_cache, meta.block_tables, max_kv)  # (R, KVH, max_kv, D)
         v = _gather_kv(v_cache, meta.block_tables, max_kv)
         if window is None and bool((seq_lens == q_lens).all()):
@@ -94,7 +96,10 @@ class TorchBackend(AttentionBackend):
             if window is not None:
                 mask &= kpos[None, None, :] > qpos[:, :, None] - window
             out = _sdpa(qpad.transpose(1, 2), k, v, mask[:, None], scale)
-        return out.transpose(1, 2)[req_of_tok, j_of_tok]  # (T, H, D)
+        out = out.transpose(1, 2)  # (R, max_q, H, D)
+        if no_padding:
+            return out.reshape(q.shape)
+        return out[req_of_tok, j_of_tok]  # (T, H, D)
 
     def decode(self, q, k_cache, v_cache, seq_lens, block_tables, window, scale):
         # q: (R, H, D)

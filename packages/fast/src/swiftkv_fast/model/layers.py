@@ -16,26 +16,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     # gate_up: (T, 2 * intermediate) -> (T, intermediate)
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate, inplace=True).mul_(up)
 
 
 class RotaryTable:
-    """cos/sin of every position up to max_positions, looked up by position (rotate-half layout)."""
+    """cos/sin of every position up to max_positions (rotate-half layout: both halves are equal, so only
+    one half is kept), looked up by position."""
 
     def __init__(self, inv_freq: torch.Tensor, max_positions: int, device: torch.device):
         angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq.float()[None, :]
-        emb = torch.cat([angles, angles], dim=-1)  # (max_positions, head_dim)
-        self.cos = emb.cos().to(device)
-        self.sin = emb.sin().to(device)
+        self.cos = angles.cos().to(device)  # (max_positions, head_dim // 2)
+        self.sin = angles.sin().to(device)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: (T,) -> cos, sin: (T, 1, head_dim) fp32
+        # positions: (T,) -> cos, sin: (T, 1, head_dim // 2) fp32
         return self.cos[positions][:, None], self.sin[positions][:, None]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (T, heads, head_dim); cos/sin: (T, 1, head_dim)
+    """Rotate-half RoPE: out = [x1 c - x2 s, x2 c + x1 s]. x: (T, heads, head_dim) (may be a strided
+    view); cos/sin: (T, 1, head_dim // 2). Returns a new contiguous tensor."""
     half = x.shape[-1] // 2
     xf = x.float()
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    out = torch.empty(xf.shape, dtype=torch.float32, device=x.device)
+    o1, o2 = out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=o1)
+    o1.addcmul_(x2, sin, value=-1)
+    torch.mul(x2, cos, out=o2)
+    o2.addcmul_(x1, sin)
+    return out.to(x.dtype)

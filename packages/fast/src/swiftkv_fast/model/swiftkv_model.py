@@ -80,7 +80,7 @@ class SwiftKVModel:
 
     def _mlp(self, h: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
         x = rms_norm(h, lw.post_norm, self.eps)
-        return h + F.linear(silu_and_mul(F.linear(x, lw.gate_up)), lw.down)
+        return h.add_(F.linear(silu_and_mul(F.linear(x, lw.gate_up)), lw.down))
 
     @torch.inference_mode()
     def forward(self, inp: ModelInput, kv_cache: torch.Tensor) -> torch.Tensor | None:
@@ -93,13 +93,14 @@ class SwiftKVModel:
             grp = inp.groups[lw.group]
             x = rms_norm(h, lw.input_norm, self.eps)
             qkv = F.linear(x, lw.qkv, lw.qkv_bias)  # (T, (nh + 2 kvh) hd)
-            q, k, v = qkv.split([nh * hd, kvh * hd, kvh * hd], dim=-1)
-            q = apply_rope(q.view(-1, nh, hd), cos, sin)
-            k = apply_rope(k.view(-1, kvh, hd), cos, sin)
+            # RoPE on q and k in one pass: (T, nh + kvh, hd)
+            qk = apply_rope(qkv[:, : (nh + kvh) * hd].view(-1, nh + kvh, hd), cos, sin)
+            q, k = qk[:, :nh], qk[:, nh:]
+            v = qkv[:, (nh + kvh) * hd :]
             c = lw.cache_layer
             self.backend.write_kv(kv_cache[c : c + 1], k[:, None], v.view(-1, 1, kvh, hd), grp.slot_mapping)
             o = self.backend.prefill(q, kv_cache[c, 0], kv_cache[c, 1], grp.meta, lw.window, self.scale)
-            h = h + F.linear(o.flatten(1), lw.o)
+            h = h.add_(F.linear(o.flatten(1), lw.o))
             h = self._mlp(h, lw)
         if self.w.kv_swiftkv is not None:
             s = rms_norm(h, self.w.norm_swiftkv, self.eps)

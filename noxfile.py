@@ -46,9 +46,11 @@ def _pytest(session: nox.Session, *paths: str) -> None:
 def tests(session: nox.Session) -> None:
     """All package tests and the conformance suite on CPU."""
     _install_stack(session, *TEST_DEPS)
-    _pytest(session, *[f"{path}/tests" for path in PACKAGES.values()])
-    if (ROOT / "conformance").is_dir():
-        _pytest(session, "conformance")
+    # One pytest process per suite: test files share basenames across packages, and each suite's
+    # conftest sets its own environment (TRITON_INTERPRET must be set before kernels are imported).
+    for suite in [f"{path}/tests" for path in PACKAGES.values()] + ["bench/tests", "conformance"]:
+        if (ROOT / suite).is_dir():
+            _pytest(session, suite)
 
 
 @nox.session(python=PYTHON)

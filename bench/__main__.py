@@ -44,7 +44,11 @@ def _common(out_default: Path) -> argparse.ArgumentParser:
     g.add_argument("--quick", action="store_true", help="small sizes and one round: checks that it runs")
     g.add_argument("--out", type=Path, default=out_default, help=f"output directory (default {out_default})")
     g.add_argument("--repeat", type=int, help="timed rounds per case (default 3, demo 1; quick 1)")
-    g.add_argument("--warmup", type=int, help="warm-up calls per case before timing (default 1; quick: 0, or a small stand-in)")
+    g.add_argument(
+        "--warmup",
+        type=int,
+        help="warm-up calls per case before timing (default 1; quick: 0, or a small stand-in)",
+    )
     g.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
     g.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     g.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -59,8 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     common = _common(DEFAULT_OUT)
     for name, module in BENCHMARKS.items():
         mod = importlib.import_module(f"bench.{module}")
-        p = sub.add_parser(name, help=mod.HELP, description=mod.__doc__, parents=[common],
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(
+            name,
+            help=mod.HELP,
+            description=mod.__doc__,
+            parents=[common],
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         mod.add_arguments(p)
     sub.add_parser("all", help="prefill, throughput, kvcache, memory", parents=[common])
     return parser

@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 
 from bench import engine, report
-from bench.harness import Stats, metric, paired_ratio, run_interleaved
+from bench.harness import Stats, paired_ratio, run_interleaved
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +44,15 @@ def run(args: argparse.Namespace) -> int:
     if not paris:
         print("!! expected 'Paris' in the first answer")
 
-    print(f"\n== 2. One batch of {num_prompts} prompts x {prompt_len} tokens, {output_len} output tokens: "
-          f"SwiftKV off (L={n_layers}) vs on (L={on_layers}) ==")
-    print(f"L={on_layers} is converted on the fly with Snowflake's initialisation, without distillation: "
-          "it runs the SwiftKV compute path at full speed, but its answers drift from the model's "
-          "until the SwiftKV weights are distilled. That is why the chat above uses SwiftKV off.")
+    print(
+        f"\n== 2. One batch of {num_prompts} prompts x {prompt_len} tokens, {output_len} output tokens: "
+        f"SwiftKV off (L={n_layers}) vs on (L={on_layers}) =="
+    )
+    print(
+        f"L={on_layers} is converted on the fly with Snowflake's initialisation, without distillation: "
+        "it runs the SwiftKV compute path at full speed, but its answers drift from the model's "
+        "until the SwiftKV weights are distilled. That is why the chat above uses SwiftKV off."
+    )
     on = engine.build_llm(on_layers)
     prompts = engine.random_prompts(num_prompts, prompt_len, off.config.vocab_size, seed=args.seed)
     small = prompts[:1]
@@ -68,12 +72,16 @@ def run(args: argparse.Namespace) -> int:
             "output": [s.metrics["output_tokens"] / s.seconds for s in gen],
         }
         alloc = engine.kv_allocation(llm)
-        rows.append({
-            "mode": mode, "num_key_value_layers": llm.config.num_key_value_layers,
-            "prefill_tokens_per_second": Stats.of(tput[mode]["prefill"]),
-            "output_tokens_per_second": Stats.of(tput[mode]["output"]),
-            "kv_cache_bytes_per_token": alloc["bytes_per_token"], "kv_allocation": alloc,
-        })
+        rows.append(
+            {
+                "mode": mode,
+                "num_key_value_layers": llm.config.num_key_value_layers,
+                "prefill_tokens_per_second": Stats.of(tput[mode]["prefill"]),
+                "output_tokens_per_second": Stats.of(tput[mode]["output"]),
+                "kv_cache_bytes_per_token": alloc["bytes_per_token"],
+                "kv_allocation": alloc,
+            }
+        )
     speedup = {
         "prefill": paired_ratio(tput["on"]["prefill"], tput["off"]["prefill"]),
         "output": paired_ratio(tput["on"]["output"], tput["off"]["output"]),
@@ -86,31 +94,57 @@ def run(args: argparse.Namespace) -> int:
         ["", "prefill tok/s", "output tok/s", "KV cache bytes/token"],
     )
     for row in rows:
-        table.add(f"{row['mode']} (L={row['num_key_value_layers']})", row["prefill_tokens_per_second"],
-                  row["output_tokens_per_second"], row["kv_cache_bytes_per_token"])
-    table.add("speedup", f"{speedup['prefill'].median:.2f}x", f"{speedup['output'].median:.2f}x",
-              f"{speedup['kv_bytes']:.2f}x")
+        table.add(
+            f"{row['mode']} (L={row['num_key_value_layers']})",
+            row["prefill_tokens_per_second"],
+            row["output_tokens_per_second"],
+            row["kv_cache_bytes_per_token"],
+        )
+    table.add(
+        "speedup",
+        f"{speedup['prefill'].median:.2f}x",
+        f"{speedup['output'].median:.2f}x",
+        f"{speedup['kv_bytes']:.2f}x",
+    )
     table.notes += [
         "prefill tok/s: prompt tokens / wall time of generate(max_tokens=1); output tok/s: output tokens / "
         "wall time of the whole generate call (vLLM's output_tokens_per_second). Values: median [min-max].",
         "SwiftKV (G=1) saves prefill compute, not KV memory: every layer keeps its cache. AcrossKV (G>1) "
         "shares it: see `python -m bench memory`.",
     ]
-    settings = {"num_prompts": num_prompts, "prompt_len": prompt_len, "output_len": output_len,
-                "num_hidden_layers": n_layers, "num_key_value_layers": on_layers, "repeat": repeat,
-                "warmup": warmup, "dtype": "float32", "seed": args.seed}
+    settings = {
+        "num_prompts": num_prompts,
+        "prompt_len": prompt_len,
+        "output_len": output_len,
+        "num_hidden_layers": n_layers,
+        "num_key_value_layers": on_layers,
+        "repeat": repeat,
+        "warmup": warmup,
+        "dtype": "float32",
+        "seed": args.seed,
+    }
     out: Path = args.out
-    json_path = report.write_json(out, "demo", settings, rows, speedup=speedup,
-                                  chat=[{"question": q, "answer": a} for q, a in zip(QUESTIONS, answers)],
-                                  paris=paris, samples=samples)
+    json_path = report.write_json(
+        out,
+        "demo",
+        settings,
+        rows,
+        speedup=speedup,
+        chat=[{"question": q, "answer": a} for q, a in zip(QUESTIONS, answers)],
+        paris=paris,
+        samples=samples,
+    )
     png_path = plot(rows, out)
     report.finish([table], [json_path, png_path])
     return 0 if paris else 1
 
 
 def chat(llm, questions: list[str]) -> list[str]:
-    outs = llm.chat([[{"role": "user", "content": q}] for q in questions],
-                    engine.greedy(48, ignore_eos=False), use_tqdm=False)
+    outs = llm.chat(
+        [[{"role": "user", "content": q}] for q in questions],
+        engine.greedy(48, ignore_eos=False),
+        use_tqdm=False,
+    )
     answers = [o.outputs[0].text.strip() for o in outs]
     for q, a in zip(questions, answers):
         print(f"\n> {q}\n{a}")
@@ -127,8 +161,11 @@ def _case(llm, prompts, max_tokens):
 def plot(rows: list[dict], out: Path) -> Path:
     fig, axes = report.new_figure(ncols=3, width=3.6)
     labels = [f"{r['mode']}\nL={r['num_key_value_layers']}" for r in rows]
-    for ax, key, title in zip(axes, ["prefill_tokens_per_second", "output_tokens_per_second"],
-                              ["prefill tokens/s", "output tokens/s"]):
+    for ax, key, title in zip(
+        axes,
+        ["prefill_tokens_per_second", "output_tokens_per_second"],
+        ["prefill tokens/s", "output tokens/s"],
+    ):
         report.bars(ax, labels, [r[key] for r in rows])
         ax.set_title(title)
     axes[2].bar(labels, [r["kv_cache_bytes_per_token"] for r in rows], color=["C0", "C1"])

@@ -25,9 +25,16 @@ def random_prompts(num_prompts: int, length: int, vocab_size: int, seed: int = 0
     return [[rng.randrange(low, vocab_size) for _ in range(length)] for _ in range(num_prompts)]
 
 
-def build_llm(num_key_value_layers: int | None = None, key_value_group_size: int | None = None,
-              *, dtype: str = "float32", device: str = "cpu", state_dict: dict | None = None,
-              config: Any = None, **kw: Any):
+def build_llm(
+    num_key_value_layers: int | None = None,
+    key_value_group_size: int | None = None,
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    state_dict: dict | None = None,
+    config: Any = None,
+    **kw: Any,
+):
     """The embedded model (or `config` + `state_dict`), prefix caching off so repeats do real work."""
     from swiftkv_fast import LLM
 
@@ -35,11 +42,20 @@ def build_llm(num_key_value_layers: int | None = None, key_value_group_size: int
     common = dict(dtype=dtype, device=device, **kw)
     if state_dict is not None:
         log.info("building engine from a state dict, L=%s G=%s", num_key_value_layers, key_value_group_size)
-        return LLM.from_state_dict(config, state_dict, num_key_value_layers=num_key_value_layers,
-                                   key_value_group_size=key_value_group_size, **common)
+        return LLM.from_state_dict(
+            config,
+            state_dict,
+            num_key_value_layers=num_key_value_layers,
+            key_value_group_size=key_value_group_size,
+            **common,
+        )
     log.info("building engine on the embedded model, L=%s G=%s", num_key_value_layers, key_value_group_size)
-    return LLM(model=None, num_key_value_layers=num_key_value_layers,
-               key_value_group_size=key_value_group_size, **common)
+    return LLM(
+        model=None,
+        num_key_value_layers=num_key_value_layers,
+        key_value_group_size=key_value_group_size,
+        **common,
+    )
 
 
 def greedy(max_tokens: int, ignore_eos: bool = True):
@@ -58,14 +74,20 @@ class BatchResult:
     texts: list[str] = field(default_factory=list)
 
     def metrics(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
-                "ttft_s": self.ttft_s, "tpot_s": self.tpot_s}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "ttft_s": self.ttft_s,
+            "tpot_s": self.tpot_s,
+        }
 
 
 def run_batch(llm, prompts: list[list[int]], max_tokens: int, use_tqdm: bool = False) -> BatchResult:
     """Greedy generation of exactly `max_tokens` tokens per prompt (EOS ignored)."""
     outs = llm.generate(prompts, greedy(max_tokens), use_tqdm=use_tqdm)
-    result = BatchResult(sum(len(o.prompt_token_ids) for o in outs), sum(len(o.outputs[0].token_ids) for o in outs))
+    result = BatchResult(
+        sum(len(o.prompt_token_ids) for o in outs), sum(len(o.outputs[0].token_ids) for o in outs)
+    )
     for out in outs:
         result.texts.append(out.outputs[0].text)
         m = out.metrics
@@ -86,7 +108,12 @@ def kv_allocation(llm) -> dict[str, int]:
     cache = kv_cache_tensor(llm)
     layers, _, num_blocks, block_size, kv_heads, head_dim = cache.shape
     return {
-        "cache_layers": layers, "num_blocks": num_blocks, "block_size": block_size,
-        "kv_heads": kv_heads, "head_dim": head_dim, "element_bytes": cache.element_size(),
-        "nbytes": cache.nbytes, "bytes_per_token": cache.nbytes // (num_blocks * block_size),
+        "cache_layers": layers,
+        "num_blocks": num_blocks,
+        "block_size": block_size,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "element_bytes": cache.element_size(),
+        "nbytes": cache.nbytes,
+        "bytes_per_token": cache.nbytes // (num_blocks * block_size),
     }

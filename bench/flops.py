@@ -53,8 +53,13 @@ def _attention(n_q: int, d: int, num_tokens: int, window: int | None) -> int:
     return 4 * n_q * d * keys
 
 
-def prefill_flops(config: Any, num_tokens: int, num_key_value_layers: int | None = None,
-                  key_value_group_size: int = 1, window: int | None = None) -> int:
+def prefill_flops(
+    config: Any,
+    num_tokens: int,
+    num_key_value_layers: int | None = None,
+    key_value_group_size: int = 1,
+    window: int | None = None,
+) -> int:
     """Matmul FLOPs to prefill one prompt of `num_tokens` tokens and sample its last token."""
     s = _shape(config)
     n_layers, T = s["N"], num_tokens
@@ -71,8 +76,13 @@ def prefill_flops(config: Any, num_tokens: int, num_key_value_layers: int | None
     return first_half + kv_second_half + second_half + 2 * s["h"] * s["V"]
 
 
-def speedup_limit(config: Any, num_tokens: int, num_key_value_layers: int,
-                  key_value_group_size: int = 1, window: int | None = None) -> float:
+def speedup_limit(
+    config: Any,
+    num_tokens: int,
+    num_key_value_layers: int,
+    key_value_group_size: int = 1,
+    window: int | None = None,
+) -> float:
     """F(L = N) / F(L): the prefill speedup if time were proportional to matmul FLOPs."""
     full = prefill_flops(config, num_tokens, None, 1, window)
     return full / prefill_flops(config, num_tokens, num_key_value_layers, key_value_group_size, window)

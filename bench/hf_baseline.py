@@ -48,14 +48,18 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, pad_token_id:
     ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     clock = _StepClock()
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
-            input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            pad_token_id=pad_token_id,
             stopping_criteria=StoppingCriteriaList([clock]),
         )
     new_tokens = out.shape[1] - width
@@ -76,14 +80,24 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int) -> Batc
     page = 256
     blocks = sum(-(-(len(p) + max_new_tokens) // page) for p in prompts) + 1
     cb_config = ContinuousBatchingConfig(page_size=page, num_blocks=blocks, allow_block_sharing=False)
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1,
-                              pad_token_id=0)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
     extra = {}
     if "warmup" in inspect.signature(model.generate_batch).parameters:
         extra["warmup"] = False  # it captures CUDA graphs; nothing to capture on CPU, ~10 s lost
-    with torch.inference_mode():
-        outs = model.generate_batch(prompts, generation_config=config, continuous_batching_config=cb_config,
-                                    record_timestamps=True, progress_bar=False, **extra)
+    cb_logger = logging.getLogger("ContinuousBatchingLogger")
+    level, cb_logger.level = cb_logger.level, logging.CRITICAL  # CPU-only psutil warnings, every call
+    try:
+        with torch.inference_mode():
+            outs = model.generate_batch(
+                prompts,
+                generation_config=config,
+                continuous_batching_config=cb_config,
+                record_timestamps=True,
+                progress_bar=False,
+                **extra,
+            )
+    finally:
+        cb_logger.setLevel(level)
     result = BatchResult(0, 0)
     for out in outs.values():
         if out.error:

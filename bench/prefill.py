@@ -19,12 +19,21 @@ QUICK_LENGTHS = [128, 512]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")],
-                        help=f"prompt lengths, comma-separated (default {LENGTHS}; quick {QUICK_LENGTHS})")
-    parser.add_argument("--layers", type=lambda s: [int(x) for x in s.split(",")],
-                        help="SwiftKV L values, comma-separated (default N, 3N/4, N/2)")
-    parser.add_argument("--tokens-per-batch", type=int,
-                        help="prompt tokens per timed batch: len // this many prompts (default 8192; quick 1024)")
+    parser.add_argument(
+        "--lengths",
+        type=lambda s: [int(x) for x in s.split(",")],
+        help=f"prompt lengths, comma-separated (default {LENGTHS}; quick {QUICK_LENGTHS})",
+    )
+    parser.add_argument(
+        "--layers",
+        type=lambda s: [int(x) for x in s.split(",")],
+        help="SwiftKV L values, comma-separated (default N, 3N/4, N/2)",
+    )
+    parser.add_argument(
+        "--tokens-per-batch",
+        type=int,
+        help="prompt tokens per timed batch: len // this many prompts (default 8192; quick 1024)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,13 +59,18 @@ def run(args: argparse.Namespace) -> int:
         samples = run_interleaved(cases, repeat=repeat, warmup=warmup, progress=True)
         tps = {L: [s.metrics["prompt_tokens"] / s.seconds for s in samples[L]] for L in layers}
         for L in layers:
-            rows.append({
-                "prompt_len": length, "num_prompts": len(prompts), "num_key_value_layers": L,
-                "prefill_tokens_per_second": Stats.of(tps[L]),
-                "ratio_to_full": paired_ratio(tps[L], tps[layers[0]]),
-                "flop_limit": flops.speedup_limit(cfg, length, L) / flops.speedup_limit(cfg, length, layers[0]),
-                "seconds": [s.seconds for s in samples[L]],
-            })
+            rows.append(
+                {
+                    "prompt_len": length,
+                    "num_prompts": len(prompts),
+                    "num_key_value_layers": L,
+                    "prefill_tokens_per_second": Stats.of(tps[L]),
+                    "ratio_to_full": paired_ratio(tps[L], tps[layers[0]]),
+                    "flop_limit": flops.speedup_limit(cfg, length, L)
+                    / flops.speedup_limit(cfg, length, layers[0]),
+                    "seconds": [s.seconds for s in samples[L]],
+                }
+            )
 
     table = report.Table(
         f"Prefill, SmolLM2-135M-Instruct fp32 (N={n_layers}), ~{per_batch} prompt tokens per batch, "
@@ -65,11 +79,26 @@ def run(args: argparse.Namespace) -> int:
     )
     for r in rows:
         ratio = r["ratio_to_full"]
-        table.add(r["prompt_len"], r["num_prompts"], r["num_key_value_layers"], r["prefill_tokens_per_second"],
-                  f"{ratio.median:.2f}x", f"{r['flop_limit']:.2f}x", f"{100 * ratio.median / r['flop_limit']:.0f}%")
+        table.add(
+            r["prompt_len"],
+            r["num_prompts"],
+            r["num_key_value_layers"],
+            r["prefill_tokens_per_second"],
+            f"{ratio.median:.2f}x",
+            f"{r['flop_limit']:.2f}x",
+            f"{100 * ratio.median / r['flop_limit']:.0f}%",
+        )
     table.notes.append("FLOP limit: matmul FLOPs of L = N over those of L (formula in bench/flops.py).")
-    settings = {"lengths": lengths, "layers": layers, "tokens_per_batch": per_batch, "repeat": repeat,
-                "warmup": warmup, "num_hidden_layers": n_layers, "dtype": "float32", "seed": args.seed}
+    settings = {
+        "lengths": lengths,
+        "layers": layers,
+        "tokens_per_batch": per_batch,
+        "repeat": repeat,
+        "warmup": warmup,
+        "num_hidden_layers": n_layers,
+        "dtype": "float32",
+        "seed": args.seed,
+    }
     json_path = report.write_json(args.out, "prefill", settings, rows)
     png_path = plot(rows, layers, args.out)
     report.finish([table], [json_path, png_path])

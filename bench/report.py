@@ -30,7 +30,9 @@ class Table:
 
     def add(self, *cells: Any) -> None:
         if len(cells) != len(self.columns):
-            raise ValueError(f"{self.title}: row has {len(cells)} cells, table has {len(self.columns)} columns")
+            raise ValueError(
+                f"{self.title}: row has {len(cells)} cells, table has {len(self.columns)} columns"
+            )
         self.rows.append(list(cells))
 
     def render(self) -> str:

@@ -1,11 +1,236 @@
-"""TODO"""
-HELP = "todo"
+"""The fast engine against Hugging Face transformers on the same model, prompts and greedy settings.
+
+Systems: the fast engine with SwiftKV off (L = N) and on (L = N/2), transformers' `generate` (one
+static batch, left padding) and `generate_batch` (its continuous batching, where installed), all
+fp32 with the embedded model's weights. Mixes (request count x prompt length -> output length):
+
+  issue4          16 x 256 -> 64              the issue-4 scenario
+  prefill-heavy   16 x ~640 -> 64             prompt:output about 10:1 (SwiftKV paper's enterprise mix)
+  decode-heavy    16 x ~64 -> 256             prompt:output 1:4
+
+"~" lengths are drawn uniformly within +-25% (so static batching pays its padding). Keys follow
+vLLM's `bench throughput` (requests_per_second, tokens_per_second, output_tokens_per_second) and
+`bench latency` (mean/median/p99 of ttft_ms and tpot_ms, pooled over rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+from bench import engine, hf_baseline, report
+from bench.harness import Sample, Stats, paired_ratio, run_interleaved
+
+log = logging.getLogger(__name__)
+
+HELP = "fast engine (SwiftKV off/on) vs transformers generate / generate_batch: req/s, tok/s, TTFT, TPOT"
+# name: (num_requests, mean prompt len, output len, length jitter)
+MIXES = {
+    "issue4": (16, 256, 64, 0.0),
+    "prefill-heavy": (16, 640, 64, 0.25),
+    "decode-heavy": (16, 64, 256, 0.25),
+}
+QUICK_MIXES = {
+    "issue4": (4, 64, 8, 0.0),
+    "prefill-heavy": (4, 160, 16, 0.25),
+    "decode-heavy": (4, 16, 32, 0.25),
+}
+SYSTEMS = ["fast-off", "fast-on", "hf-generate", "hf-generate-batch"]
+BASELINE = "hf-generate"
 
 
-def add_arguments(parser):
-    pass
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mixes", type=lambda s: s.split(","), help=f"comma-separated, from {list(MIXES)}")
+    parser.add_argument("--systems", type=lambda s: s.split(","), help=f"comma-separated, from {SYSTEMS}")
 
 
-def run(args):
-    print("not yet")
+def mix_prompts(mix: tuple, vocab_size: int, seed: int) -> tuple[list[list[int]], int]:
+    num, mean_len, output_len, jitter = mix
+    rng = random.Random(seed)
+    lengths = [max(1, round(mean_len * (1 + rng.uniform(-jitter, jitter)))) for _ in range(num)]
+    prompts = [
+        engine.random_prompts(1, n, vocab_size, seed=seed * 1000 + i)[0] for i, n in enumerate(lengths)
+    ]
+    return prompts, output_len
+
+
+def run(args: argparse.Namespace) -> int:
+    table_of = QUICK_MIXES if args.quick else MIXES
+    mixes = args.mixes or list(table_of)
+    systems = args.systems or SYSTEMS
+    repeat = args.repeat or 3
+    warmup = 1 if args.warmup is None else args.warmup
+
+    runners = _systems(systems)
+    tables, rows = [], []
+    for name in mixes:
+        prompts, output_len = mix_prompts(table_of[name], runners.vocab_size, args.seed)
+        cases = {s: _case(runners.get(s), prompts, output_len) for s in runners.available}
+        warm = {s: _case(runners.get(s), [p[:16] for p in prompts[:2]], 2) for s in runners.available}
+        print(
+            f"mix {name}: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
+            f"{output_len} output tokens each; systems {list(cases)}"
+        )
+        samples = run_interleaved(cases, repeat=repeat, warmup=warmup, warmup_cases=warm, progress=True)
+        mix_rows = [summarize(name, s, samples[s]) for s in cases]
+        if BASELINE in samples:
+            base = samples[BASELINE]
+            for row, s in zip(mix_rows, cases):
+                row["output_tps_vs_hf_generate"] = paired_ratio(
+                    [x.metrics["output_tokens"] / x.seconds for x in samples[s]],
+                    [x.metrics["output_tokens"] / x.seconds for x in base],
+                )
+        rows += mix_rows
+        tables.append(_table(name, table_of[name], mix_rows, repeat))
+    settings = {
+        "mixes": {
+            m: dict(zip(["num_requests", "prompt_len", "output_len", "jitter"], table_of[m])) for m in mixes
+        },
+        "systems": runners.available,
+        "skipped": runners.skipped,
+        "repeat": repeat,
+        "warmup": warmup,
+        "num_key_value_layers_on": runners.on_layers,
+        "dtype": "float32",
+        "seed": args.seed,
+    }
+    json_path = report.write_json(args.out, "throughput", settings, rows)
+    png_path = plot(rows, mixes, runners.available, args.out)
+    report.finish(tables, [json_path, png_path])
     return 0
+
+
+class _Systems:
+    """Builds each system once; `get(name)` -> a function(prompts, output_len) -> BatchResult."""
+
+    def __init__(self, wanted: list[str]) -> None:
+        self.skipped: dict[str, str] = {}
+        self.fns: dict[str, Callable] = {}
+        off = engine.build_llm(None)
+        self.vocab_size = off.config.vocab_size
+        self.on_layers = off.config.num_hidden_layers // 2
+        if "fast-off" in wanted:
+            self.fns["fast-off"] = lambda p, n: engine.run_batch(off, p, n)
+        if "fast-on" in wanted:
+            on = engine.build_llm(self.on_layers)
+            self.fns["fast-on"] = lambda p, n: engine.run_batch(on, p, n)
+        if {"hf-generate", "hf-generate-batch"} & set(wanted):
+            from swiftkv_reference.default_model import default_model_dir
+
+            model = hf_baseline.load_model(default_model_dir())
+            if "hf-generate" in wanted:
+                self.fns["hf-generate"] = lambda p, n: hf_baseline.generate(model, p, n)
+            if "hf-generate-batch" in wanted:
+                if hf_baseline.has_generate_batch(model):
+                    self.fns["hf-generate-batch"] = lambda p, n: hf_baseline.generate_batch(model, p, n)
+                else:
+                    self.skipped["hf-generate-batch"] = "this transformers has no generate_batch"
+        for name, why in self.skipped.items():
+            print(f"skipping {name}: {why}")
+        self.available = [s for s in wanted if s in self.fns]
+
+    def get(self, name: str) -> Callable:
+        return self.fns[name]
+
+
+def _systems(wanted: list[str]) -> _Systems:
+    unknown = set(wanted) - set(SYSTEMS)
+    if unknown:
+        raise SystemExit(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
+    return _Systems(wanted)
+
+
+def _case(fn, prompts, output_len):
+    def call():
+        return fn(prompts, output_len).metrics()
+
+    return call
+
+
+def _percentiles(values_s: list[float], prefix: str) -> dict[str, float | None]:
+    if not values_s:
+        return {f"mean_{prefix}_ms": None, f"median_{prefix}_ms": None, f"p99_{prefix}_ms": None}
+    ms = sorted(v * 1000 for v in values_s)
+    p99 = ms[min(len(ms) - 1, round(0.99 * (len(ms) - 1)))]
+    return {
+        f"mean_{prefix}_ms": statistics.fmean(ms),
+        f"median_{prefix}_ms": statistics.median(ms),
+        f"p99_{prefix}_ms": p99,
+    }
+
+
+def summarize(mix: str, system: str, samples: list[Sample]) -> dict:
+    """vLLM's throughput and latency keys, from every round of one system on one mix."""
+    num = len(samples[0].metrics["ttft_s"]) or None
+    row = {
+        "mix": mix,
+        "system": system,
+        "num_requests": num,
+        "elapsed_time": Stats.of([s.seconds for s in samples]),
+        "total_num_tokens": samples[0].metrics["prompt_tokens"] + samples[0].metrics["output_tokens"],
+        "total_output_tokens": samples[0].metrics["output_tokens"],
+    }
+    row["requests_per_second"] = Stats.of([(num or 0) / s.seconds for s in samples])
+    row["tokens_per_second"] = Stats.of(
+        [(s.metrics["prompt_tokens"] + s.metrics["output_tokens"]) / s.seconds for s in samples]
+    )
+    row["output_tokens_per_second"] = Stats.of([s.metrics["output_tokens"] / s.seconds for s in samples])
+    row.update(_percentiles([t for s in samples for t in s.metrics["ttft_s"]], "ttft"))
+    row.update(_percentiles([t for s in samples for t in s.metrics["tpot_s"]], "tpot"))
+    return row
+
+
+def _table(name: str, mix: tuple, rows: list[dict], repeat: int) -> report.Table:
+    num, mean_len, output_len, jitter = mix
+    length = f"~{mean_len}" if jitter else str(mean_len)
+    t = report.Table(
+        f"Throughput, mix {name}: {num} requests x {length} prompt tokens -> {output_len} output tokens, "
+        f"fp32, {repeat} round(s)",
+        [
+            "system",
+            "req/s",
+            "total tok/s",
+            "output tok/s",
+            "x hf-generate",
+            "TTFT ms mean/med/p99",
+            "TPOT ms mean/med/p99",
+        ],
+    )
+    for r in rows:
+        ratio = r.get("output_tps_vs_hf_generate")
+        t.add(
+            r["system"],
+            r["requests_per_second"].median,
+            r["tokens_per_second"],
+            r["output_tokens_per_second"],
+            f"{ratio.median:.2f}x" if ratio else None,
+            _lat(r, "ttft"),
+            _lat(r, "tpot"),
+        )
+    t.notes.append(
+        "fast-on: SwiftKV converted on the fly (no distillation): speed, not quality. "
+        "x hf-generate: output tok/s ratio, round by round."
+    )
+    return t
+
+
+def _lat(row: dict, key: str) -> str:
+    vals = [row[f"{k}_{key}_ms"] for k in ("mean", "median", "p99")]
+    return "-" if vals[0] is None else "/".join(f"{v:.0f}" for v in vals)
+
+
+def plot(rows: list[dict], mixes: list[str], systems: list[str], out: Path) -> Path:
+    fig, axes = report.new_figure(ncols=len(mixes), width=4.2)
+    for ax, mix in zip(axes, mixes):
+        mine = {r["system"]: r for r in rows if r["mix"] == mix}
+        names = [s for s in systems if s in mine]
+        report.bars(ax, names, [mine[s]["output_tokens_per_second"] for s in names])
+        ax.set_title(mix)
+        ax.set_ylabel("output tokens/s")
+        ax.tick_params(axis="x", labelrotation=30)
+    fig.suptitle("Fast engine vs transformers (SmolLM2-135M-Instruct, fp32)")
+    return report.save_figure(fig, out, "throughput")

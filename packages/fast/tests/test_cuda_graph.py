@@ -35,26 +35,31 @@ class FakeSecondHalf:
     def __init__(self):
         self.calls = []
 
-    def __call__(self, hidden, residual, positions, seq_lens, block_tables):
-        self.calls.append((hidden.shape[0], seq_lens.clone(), block_tables.clone(), positions.clone()))
+    def __call__(self, hidden, positions, seq_lens, block_tables):
+        self.calls.append((hidden.shape[0], seq_lens.clone(), [bt.clone() for bt in block_tables],
+                           positions.clone()))
+        full, sliding = block_tables
         out = torch.stack([
-            hidden.float().sum(-1), residual.float().sum(-1), positions.float(), seq_lens.float(),
-            (block_tables.float() * torch.arange(1, block_tables.shape[1] + 1)).sum(-1),
+            hidden.float().sum(-1), positions.float(), seq_lens.float(),
+            (full.float() * torch.arange(1, full.shape[1] + 1)).sum(-1),
+            (sliding.float() * torch.arange(1, sliding.shape[1] + 1)).sum(-1) * 1000,
         ], dim=-1)
         assert out.shape[-1] == V
         return out
 
 
 def _inputs(n, width, seed=0, hidden=6):
+    """Two kvcache groups (full + sliding window), as in a hybrid model."""
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, hidden, generator=g), torch.randn(n, hidden, generator=g),
+    return (torch.randn(n, hidden, generator=g),
             torch.randint(0, 100, (n,), generator=g), torch.randint(1, 50, (n,), generator=g).int(),
-            torch.randint(1, 30, (n, width), generator=g).int())
+            (torch.randint(1, 30, (n, width), generator=g).int(),
+             torch.randint(0, 30, (n, width), generator=g).int()))
 
 
 def _runner(fn, **kw):
-    args = dict(max_num_seqs=12, max_blocks_per_req=4, hidden_size=6, dtype=torch.float32, device="cpu",
-                emulate=True, num_warmup=1, pad_position=7)
+    args = dict(max_num_seqs=12, max_blocks_per_req=4, num_groups=2, hidden_size=6, dtype=torch.float32,
+                device="cpu", emulate=True, num_warmup=1, pad_position=7)
     args.update(kw)
     return SecondHalfGraphRunner(fn, **args)
 
@@ -65,6 +70,7 @@ def test_emulated_padding_and_unpadding():
     assert r.sizes == [1, 2, 4, 8, 16] and r.max_batch == 16
     r.capture()
     assert [c[0] for c in fn.calls] == [16, 8, 4, 2, 1]  # warm-up, largest first
+    assert r.capture_seconds is not None
     fn.calls.clear()
     # an earlier, bigger step leaves stale rows/columns behind
     r.run(*_inputs(7, 4, seed=1))
@@ -72,11 +78,12 @@ def test_emulated_padding_and_unpadding():
         x = _inputs(n, width, seed=n)
         fn.calls.clear()
         out = r.run(*x)
-        (bs, seq, bt, pos), = fn.calls
+        (bs, seq, bts, pos), = fn.calls
         assert bs == bucket_for(n, r.sizes) and out.shape == (n, V)
         torch.testing.assert_close(out, FakeSecondHalf()(*x))  # same as eager on the real rows
-        assert (seq[n:] == 0).all() and (bt[n:] == 0).all() and (pos[n:] == 7).all()
-        assert (bt[:n, width:] == 0).all()
+        assert (seq[n:] == 0).all() and (pos[n:] == 7).all()
+        for bt in bts:
+            assert bt.shape == (bs, 4) and (bt[n:] == 0).all() and (bt[:n, width:] == 0).all()
     assert r.stats["graph"] == 5 and r.stats["eager"] == 0
 
 
@@ -91,9 +98,14 @@ def test_fallbacks_to_eager():
     assert out.shape == (17, V) and fn.calls[-1][0] == 17
     out = r.run(*_inputs(3, 5))  # block table wider than captured
     assert out.shape == (3, V) and fn.calls[-1][0] == 3
-    assert r.stats == {"graph": 0, "eager": 3}
+    h, pos, seq, (full, sliding) = _inputs(3, 2)
+    out = r.run(h, pos, seq, (full, torch.zeros(3, 5, dtype=torch.int32)))  # one group's table too wide
+    assert out.shape == (3, V) and fn.calls[-1][0] == 3
+    assert r.stats == {"graph": 0, "eager": 4}
     r.run(*_inputs(16, 4))
     assert r.stats["graph"] == 1
+    with pytest.raises(ValueError, match="block tables"):
+        r.run(h, pos, seq, (full,))
 
 
 @pytest.mark.parametrize("kw", [dict(enabled=False), dict(emulate=False)])  # enforce_eager; CPU w/o emulate
@@ -115,19 +127,18 @@ def test_cuda_capture_and_replay():
     w2 = torch.randn(6, V, device=dev, generator=g)
     emb = torch.randn(64, 6, device=dev, generator=g)
 
-    def second_half(hidden, residual, positions, seq_lens, block_tables):
-        h = torch.relu((hidden + residual) @ w1) + emb[positions] + seq_lens[:, None].float()
-        h = h + emb[block_tables.long()].sum(1)
+    def second_half(hidden, positions, seq_lens, block_tables):
+        h = torch.relu(hidden @ w1) + emb[positions] + seq_lens[:, None].float()
+        h = h + emb[block_tables[0].long()].sum(1) - emb[block_tables[1].long()].sum(1)
         return h @ w2
 
-    r = SecondHalfGraphRunner(second_half, max_num_seqs=10, max_blocks_per_req=3, hidden_size=6,
-                              dtype=torch.float32, device=dev)
+    r = SecondHalfGraphRunner(second_half, max_num_seqs=10, max_blocks_per_req=3, num_groups=2,
+                              hidden_size=6, dtype=torch.float32, device=dev)
     r.capture()
     assert r.captured and sorted(r._graphs) == [1, 2, 4, 8, 16]
     for n, width in [(3, 2), (9, 3), (1, 1), (16, 3), (20, 3), (2, 4)]:
-        x = [t.to(dev) for t in _inputs(n, width, seed=n)]
-        x[2] = x[2] % 64
-        x[4] = x[4] % 64
+        h, pos, seq, bts = _inputs(n, width, seed=n)
+        x = [h.to(dev), (pos % 64).to(dev), seq.to(dev), tuple((bt % 64).to(dev) for bt in bts)]
         out = r.run(*x).clone()
         torch.testing.assert_close(out, second_half(*x))
     assert r.stats == {"graph": 4, "eager": 2}

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from swiftkv_fast.attention import BACKENDS
+from swiftkv_fast.attention.flash_backend import FlashAttnBackend
 
 DTYPES = {
     "float32": torch.float32,
@@ -35,7 +36,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     seed: int = 0  # seeds the per-request generators of requests without their own seed
-    enforce_eager: bool = False  # reserved for CUDA graphs (always eager on CPU)
+    enforce_eager: bool = False  # True: no CUDA graphs for the second half (CPU is always eager)
     return_logits: bool = False  # keep the fp32 logits row of every sampled token on the output
 
     def __post_init__(self) -> None:
@@ -59,6 +60,8 @@ class EngineConfig:
             )
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
+        if self.attention_backend == "flash_attn":  # before any loading or allocation
+            FlashAttnBackend.validate_block_size(self.block_size)
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         torch.device(self.device)  # raises on a bad name

@@ -7,18 +7,20 @@ per batch-size bucket serves every step.
 
 Contract for the model runner
 -----------------------------
-``second_half(hidden, residual, positions, seq_lens, block_tables) -> logits``
-    hidden, residual: (B, hidden_size) in ``dtype``; positions: (B,) int64;
-    seq_lens: (B,) int32 (context length, query at ``seq_lens[i] - 1``);
-    block_tables: (B, max_blocks) int32. Returns (B, vocab) logits. It must be
-    capturable: no host syncs (``.item()``, ``.tolist()``, data-dependent
-    shapes), no allocation that outlives the call except its output, and K/V
-    must already be written to the cache (write_kv runs before, eagerly). It
-    must tolerate padding rows: ``seq_lens == 0``, ``block_tables`` all 0 (the
-    null block), position ``pad_position``, hidden/residual zeros; their
-    outputs are dropped (the Triton decode kernel returns zeros for them).
-    Rows must not interact (row-wise ops only), so padding never changes a
-    real row.
+``second_half(hidden, positions, seq_lens, block_tables) -> logits``
+    hidden: (B, hidden_size) in ``dtype`` (the residual stream after layer L-1;
+    the model adds residuals in place, so there is no separate residual);
+    positions: (B,) int64; seq_lens: (B,) int32 (context length, query at
+    ``seq_lens[i] - 1``); block_tables: a tuple with one (B, max_blocks) int32
+    table per kvcache group (full attention, sliding window, ...). Returns
+    (B, vocab) logits. It must be capturable: no host syncs (``.item()``,
+    ``.tolist()``, data-dependent shapes), no allocation that outlives the call
+    except its output, and K/V must already be written to the cache (write_kv
+    runs before, eagerly, for every scheduled token). It must tolerate padding
+    rows: ``seq_lens == 0``, block tables all 0 (the null block), position
+    ``pad_position``, hidden zeros; their outputs are dropped (the Triton
+    decode kernel returns zeros for them). Rows must not interact (row-wise
+    ops only), so padding never changes a real row.
 
 ``SecondHalfGraphRunner.run(...)`` takes the same arguments for ``n`` real
 rows (block tables at most ``max_blocks`` wide) and returns ``(n, vocab)``
@@ -26,7 +28,7 @@ logits. On a graph replay these are a view into the graph's output buffer,
 valid until the next ``run``: sample from them (or clone) before the next step.
 A step falls back to eager ``second_half`` on the given tensors when the runner
 is disabled (``enforce_eager``, CPU), not captured yet, ``n`` exceeds the
-largest bucket, or the block table is wider than captured.
+largest bucket, or a block table is wider than captured.
 
 ``emulate=True`` replaces capture and replay by direct calls of
 ``second_half`` on the padded static buffers (any device): the bucketing,
@@ -36,11 +38,12 @@ padding and unpadding are then exercised without CUDA (tests).
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Callable, Sequence
 
 import torch
 
-SecondHalfFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+SecondHalfFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]], torch.Tensor]
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -71,8 +74,9 @@ class SecondHalfGraphRunner:
     Args:
         second_half: the callable described in the module docstring.
         max_num_seqs: the engine's limit; buckets from :func:`capture_sizes` unless ``sizes`` is given.
-        max_blocks_per_req: width of the static block table (``cdiv(max_model_len, block_size)``).
-        hidden_size, dtype, device: of the hidden/residual buffers.
+        max_blocks_per_req: width of the static block tables (``cdiv(max_model_len, block_size)``).
+        num_groups: block tables per step (kvcache groups).
+        hidden_size, dtype, device: of the hidden buffer.
         enabled: False (``enforce_eager=True``) makes every ``run`` eager. A non-CUDA device without
             ``emulate`` is also always eager.
         emulate: capture = nothing, replay = a direct call on the padded static buffers.
@@ -86,6 +90,7 @@ class SecondHalfGraphRunner:
         *,
         max_num_seqs: int,
         max_blocks_per_req: int,
+        num_groups: int = 1,
         hidden_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
@@ -104,6 +109,9 @@ class SecondHalfGraphRunner:
         self.enabled = bool(enabled) and (emulate or self.device.type == "cuda")
         self.max_batch = self.sizes[-1]
         self.max_blocks = int(max_blocks_per_req)
+        self.num_groups = int(num_groups)
+        if self.num_groups < 1:
+            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
         self.hidden_size = int(hidden_size)
         self.num_warmup = int(num_warmup)
         self.pad_position = int(pad_position)
@@ -112,32 +120,36 @@ class SecondHalfGraphRunner:
         self._outputs: dict[int, torch.Tensor] = {}
         self._captured = False
         self._pool = None
+        self.capture_seconds: float | None = None
         if self.enabled:
             b, dev = self.max_batch, self.device
             self.hidden = torch.zeros(b, self.hidden_size, dtype=dtype, device=dev)
-            self.residual = torch.zeros(b, self.hidden_size, dtype=dtype, device=dev)
             self.positions = torch.full((b,), self.pad_position, dtype=torch.int64, device=dev)
             self.seq_lens = torch.zeros(b, dtype=torch.int32, device=dev)
-            self.block_tables = torch.zeros(b, self.max_blocks, dtype=torch.int32, device=dev)
+            self.block_tables = tuple(
+                torch.zeros(b, self.max_blocks, dtype=torch.int32, device=dev) for _ in range(self.num_groups)
+            )
 
     @property
     def captured(self) -> bool:
         return self._captured
 
     def _static_args(self, bs: int) -> tuple[torch.Tensor, ...]:
-        return (self.hidden[:bs], self.residual[:bs], self.positions[:bs], self.seq_lens[:bs],
-                self.block_tables[:bs])
+        return (self.hidden[:bs], self.positions[:bs], self.seq_lens[:bs],
+                tuple(bt[:bs] for bt in self.block_tables))
 
     @torch.no_grad()
     def capture(self) -> None:
         """Warm up and capture every bucket, largest first, into one shared memory pool."""
         if not self.enabled or self._captured:
             return
+        start = time.perf_counter()
         if self.emulate:
             for bs in reversed(self.sizes):
                 for _ in range(self.num_warmup):
                     self.second_half(*self._static_args(bs))
             self._captured = True
+            self.capture_seconds = time.perf_counter() - start
             return
         self._pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=self.device)
@@ -156,6 +168,7 @@ class SecondHalfGraphRunner:
             self._outputs[bs] = out  # keeping it alive keeps its pool memory out of later captures
         torch.cuda.synchronize(self.device)
         self._captured = True
+        self.capture_seconds = time.perf_counter() - start
 
     def bucket(self, n: int, block_table_width: int) -> int | None:
         """The bucket a step of n rows replays, or None for eager."""
@@ -164,28 +177,32 @@ class SecondHalfGraphRunner:
         return bucket_for(n, self.sizes)
 
     @torch.no_grad()
-    def run(self, hidden, residual, positions, seq_lens, block_tables) -> torch.Tensor:
+    def run(self, hidden, positions, seq_lens, block_tables: Sequence[torch.Tensor]) -> torch.Tensor:
         n = hidden.shape[0]
-        if hidden.shape[-1] != self.hidden_size and self.enabled:
+        block_tables = tuple(block_tables)
+        if self.enabled and hidden.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden size {hidden.shape[-1]} != captured {self.hidden_size}")
-        bs = self.bucket(n, block_tables.shape[1]) if n > 0 else None
+        if self.enabled and len(block_tables) != self.num_groups:
+            raise ValueError(f"{len(block_tables)} block tables, captured with {self.num_groups}")
+        width = max(bt.shape[1] for bt in block_tables)
+        bs = self.bucket(n, width) if n > 0 else None
         if bs is None:
             self.stats["eager"] += 1
-            return self.second_half(hidden, residual, positions, seq_lens, block_tables)
-        w = block_tables.shape[1]
+            return self.second_half(hidden, positions, seq_lens, block_tables)
         self.hidden[:n].copy_(hidden)
-        self.residual[:n].copy_(residual)
         self.positions[:n].copy_(positions)
         self.seq_lens[:n].copy_(seq_lens)
-        self.block_tables[:n, :w].copy_(block_tables)
-        if w < self.max_blocks:
-            self.block_tables[:n, w:].zero_()
+        for static, bt in zip(self.block_tables, block_tables):
+            w = bt.shape[1]
+            static[:n, :w].copy_(bt)
+            if w < self.max_blocks:
+                static[:n, w:].zero_()
         if bs > n:  # padding rows
             self.hidden[n:bs].zero_()
-            self.residual[n:bs].zero_()
             self.positions[n:bs].fill_(self.pad_position)
             self.seq_lens[n:bs].zero_()
-            self.block_tables[n:bs].zero_()
+            for static in self.block_tables:
+                static[n:bs].zero_()
         self.stats["graph"] += 1
         if self.emulate:
             out = self.second_half(*self._static_args(bs))

@@ -60,6 +60,11 @@ class LLM:
     def config(self):
         return self.llm_engine.config
 
+    def get_stats(self) -> dict[str, int | float | bool | None]:
+        """Engine counters: ``cuda_graph_replays``, ``eager_second_half_steps``, ``cuda_graph_enabled``,
+        ``cuda_graph_capture_s``, ``num_preemptions`` (see LLMEngine.get_stats)."""
+        return self.llm_engine.get_stats()
+
     # ---- prompts -------------------------------------------------------------------------------
 
     def _to_token_ids(self, i: int, prompt: PromptType) -> tuple[str | None, list[int]]:

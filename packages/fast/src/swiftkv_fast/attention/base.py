@@ -29,6 +29,10 @@ class AttentionBackend:
     `h // (num_heads // num_kv_heads)`."""
 
     name: str = "base"
+    # True when decode() can be captured in a CUDA graph: no host syncs, launch shapes from tensor
+    # shapes only, padding rows (seq_lens == 0) tolerated. The second half is replayed from graphs
+    # only with such a backend.
+    supports_cuda_graph: bool = False
 
     def write_kv(
         self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor

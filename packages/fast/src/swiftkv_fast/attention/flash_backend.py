@@ -73,6 +73,7 @@ def _window_size(window: int | None) -> tuple[int, int]:
 
 class FlashAttnBackend(AttentionBackend):
     name = "flash_attn"
+    supports_cuda_graph = True  # flash_attn_with_kvcache is what vLLM captures for decode
     block_size_multiple = FLASH_BLOCK_MULTIPLE
 
     @staticmethod

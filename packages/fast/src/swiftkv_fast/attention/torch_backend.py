@@ -32,6 +32,7 @@ def _sdpa(q, k, v, mask, scale, is_causal=False):
 
 class TorchBackend(AttentionBackend):
     name = "torch"
+    supports_cuda_graph = False  # decode sizes its gather with int(seq_lens.max()): a host sync
 
     def write_kv(self, kv_cache, k, v, slot_mapping):
         # kv_cache: (n_layers, 2, num_blocks, block_size, kv_heads, head_dim); k, v: (T, n_layers, kvh, hd)

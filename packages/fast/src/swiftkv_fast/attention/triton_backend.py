@@ -14,6 +14,7 @@ from swiftkv_fast.kernels._common import interpreting
 
 class TritonBackend(AttentionBackend):
     name = "triton"
+    supports_cuda_graph = True  # launch configuration from shapes only; seq_lens == 0 rows -> zeros
 
     def __init__(self, num_splits: int | None = None):
         """num_splits: decode split count (None: chosen from shapes, see paged_decode)."""

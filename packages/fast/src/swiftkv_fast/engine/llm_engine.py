@@ -135,5 +135,11 @@ class LLMEngine:
                 req.output_text = self.detokenize(req.output_token_ids)
         return finished
 
+    def get_stats(self) -> dict[str, int | float | bool | None]:
+        """Counters since the engine was built: ``cuda_graph_replays`` (second-half steps replayed from a
+        CUDA graph), ``eager_second_half_steps`` (second-half steps run eagerly), ``cuda_graph_enabled``,
+        ``cuda_graph_capture_s`` (None before capture), ``num_preemptions``."""
+        return {**self.runner.graphs.stats(), "num_preemptions": self.scheduler.num_preemptions}
+
     def abort_all(self) -> None:
         self.scheduler.abort_all()

@@ -4,7 +4,10 @@
     s = norm_swiftkv(h_L); one fused projection -> K/V of every cache layer >= L, RoPE on K, written
     layers >= L  : only the sampled tokens (one per request: decode-shaped attention), own q_proj_swiftkv
     final norm + lm_head on the sampled tokens only
-L == N is the plain model. Weights are fused at load (model/loader.py): qkv, gate_up, and the
+`first_half` runs everything up to the early exit (K/V of all layers written); `second_half` is a
+function of static-shaped inputs only (hidden, positions, seq_lens, one block table per kvcache
+group), which is what a CUDA graph captures (worker/cuda_graph_runner.py). L == N is the plain model
+(the second half is then the final norm and lm_head). Weights are fused at load (model/loader.py): qkv, gate_up, and the
 k/v_proj_swiftkv of all group leaders in one matrix.
 """
 
@@ -83,9 +86,10 @@ class SwiftKVModel:
         return h.add_(F.linear(silu_and_mul(F.linear(x, lw.gate_up)), lw.down))
 
     @torch.inference_mode()
-    def forward(self, inp: ModelInput, kv_cache: torch.Tensor) -> torch.Tensor | None:
-        """kv_cache: (num_cache_layers, 2, num_blocks, block_size, kv_heads, head_dim).
-        Returns fp32 logits (S, vocab) of the sampled tokens, or None when nothing is sampled."""
+    def first_half(self, inp: ModelInput, kv_cache: torch.Tensor) -> torch.Tensor | None:
+        """Layers < L over every scheduled token, then the K/V of every cache layer >= L written for
+        every scheduled token. kv_cache: (num_cache_layers, 2, num_blocks, block_size, kv_heads,
+        head_dim). Returns the hidden states (S, hidden) of the sampled tokens, None if there are none."""
         nh, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
         h = F.embedding(inp.input_ids, self.w.embed)  # (T, hidden)
         cos, sin = self.rotary.lookup(inp.positions)  # (T, 1, hd)
@@ -117,8 +121,24 @@ class SwiftKVModel:
                 )
         if inp.logits_indices.numel() == 0:
             return None
-        h = h[inp.logits_indices]  # (S, hidden): early exit for every other token
-        cos, sin = cos[inp.logits_indices], sin[inp.logits_indices]
+        return h[inp.logits_indices]  # (S, hidden): early exit for every other token
+
+    @torch.inference_mode()
+    def second_half(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: tuple[torch.Tensor, ...],
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Layers >= L, the final norm and lm_head for one query per request: h (S, hidden) of the
+        sampled tokens, positions (S,) int64, seq_lens (S,) int32 (the query sits at seq_lens - 1),
+        block_tables one (S, max_blocks) int32 per kvcache group. Returns fp32 logits (S, vocab).
+        Capturable in a CUDA graph with a capturable backend: no host syncs, row-wise only, and the
+        input ``h`` is not modified."""
+        nh, hd = self.num_heads, self.head_dim
+        cos, sin = self.rotary.lookup(positions)
         for lw in self.w.layers[self.L :]:
             x = rms_norm(h, lw.input_norm, self.eps)
             q = apply_rope(F.linear(x, lw.qkv, lw.qkv_bias).view(-1, nh, hd), cos, sin)
@@ -127,8 +147,8 @@ class SwiftKVModel:
                 q,
                 kv_cache[c, 0],
                 kv_cache[c, 1],
-                inp.sampled_seq_lens,
-                inp.groups[lw.group].sampled_block_tables,
+                seq_lens,
+                block_tables[lw.group],
                 lw.window,
                 self.scale,
             )
@@ -136,3 +156,11 @@ class SwiftKVModel:
             h = self._mlp(h, lw)
         h = rms_norm(h, self.w.norm, self.eps)
         return F.linear(h, self.w.lm_head).float()  # (S, vocab)
+
+    def forward(self, inp: ModelInput, kv_cache: torch.Tensor) -> torch.Tensor | None:
+        """Both halves, eagerly. Returns fp32 logits (S, vocab) of the sampled tokens, or None."""
+        h = self.first_half(inp, kv_cache)
+        if h is None:
+            return None
+        return self.second_half(h, inp.sampled_positions, inp.sampled_seq_lens,
+                                inp.sampled_block_tables, kv_cache)

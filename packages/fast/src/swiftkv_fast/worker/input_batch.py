@@ -26,6 +26,12 @@ class ModelInput:
     groups: list[GroupBatch]  # one per kvcache group
     logits_indices: torch.Tensor  # (S,) int64: the token of each sampled request in the flat batch
     sampled_seq_lens: torch.Tensor  # (S,) int32: context of each sampled request after this step
+    sampled_positions: torch.Tensor  # (S,) int64: position of each sampled token (sampled_seq_lens - 1)
+
+    @property
+    def sampled_block_tables(self) -> tuple[torch.Tensor, ...]:
+        """One (S, max_blocks) int32 table per kvcache group: the second half's block tables."""
+        return tuple(g.sampled_block_tables for g in self.groups)
 
 
 def ranges(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
@@ -77,4 +83,5 @@ def build_model_input(
         groups=groups,
         logits_indices=logits_indices.to(device),
         sampled_seq_lens=seq_lens[sampled_t].to(torch.int32).to(device),
+        sampled_positions=(seq_lens[sampled_t] - 1).to(device),
     )

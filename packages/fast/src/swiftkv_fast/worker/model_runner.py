@@ -1,4 +1,8 @@
-"""Model runner: builds the flat batch of a step, runs the model over the paged cache, samples."""
+"""Model runner: builds the flat batch of a step, runs the model over the paged cache, samples.
+
+The first half (layers < L, K/V of every layer written) runs eagerly; the second half goes through
+SecondHalfGraphs (worker/cuda_graph_runner.py): a CUDA graph replay on CUDA with a capturable backend
+unless enforce_eager, else eager."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from swiftkv_fast.engine.scheduler import SchedulerOutput
 from swiftkv_fast.model.layers import RotaryTable
 from swiftkv_fast.model.swiftkv_model import ModelWeights, SwiftKVModel
 from swiftkv_fast.sampler import sample
+from swiftkv_fast.worker.cuda_graph_runner import SecondHalfGraphs
 from swiftkv_fast.worker.input_batch import build_model_input
 from swiftkv_fast.worker.kv_cache import allocate_kv_cache
 
@@ -53,6 +58,25 @@ class ModelRunner:
             backend=self.backend,
         )
         self.kv_cache = allocate_kv_cache(config, num_blocks, econf.block_size, econf.dtype, self.device)
+        self.econf = econf
+        self.graphs = self.make_graphs()
+
+    def make_graphs(self, *, emulate: bool = False, sizes: list[int] | None = None) -> SecondHalfGraphs:
+        """The second half's graph runner; ``emulate=True`` replays by direct calls (tests, CPU)."""
+        econf = self.econf
+        return SecondHalfGraphs(
+            self.model,
+            self.kv_cache,
+            max_num_seqs=econf.max_num_seqs,
+            max_blocks_per_req=-(-econf.max_model_len // econf.block_size),
+            num_groups=self.num_groups,
+            hidden_size=self.config.hidden_size,
+            dtype=econf.dtype,
+            device=self.device,
+            enforce_eager=econf.enforce_eager,
+            emulate=emulate,
+            sizes=sizes,
+        )
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         token_ids: list[int] = []
@@ -67,11 +91,12 @@ class ModelRunner:
             self.block_size,
             self.device,
         )
-        logits = self.model.forward(inp, self.kv_cache)
+        h = self.model.first_half(inp, self.kv_cache)
         sampled = [s.request for s in out.scheduled if s.sampled]
-        if logits is None:
+        if h is None:
             empty = torch.empty(0, self.config.vocab_size)
             return ModelRunnerOutput([], [], empty, empty)
-        logits = logits.cpu()
+        logits = self.graphs.run(h, inp.sampled_positions, inp.sampled_seq_lens, inp.sampled_block_tables)
+        logits = logits.cpu()  # on CUDA a copy: a replay's output buffer is reused by the next step
         result = sample(logits, [r.sampling_params for r in sampled], [r.generator for r in sampled])
         return ModelRunnerOutput([r.request_id for r in sampled], result.token_ids, result.logprobs, logits)

@@ -9,6 +9,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton decides interpret-or-compile when a kernel module is imported: without CUDA, switch the
+# interpreter on before any test module imports swiftkv_fast.kernels (or the triton backend).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def reference_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:

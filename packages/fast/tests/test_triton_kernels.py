@@ -226,3 +226,36 @@ def test_triton_backend_roundtrip():
     # the decode of each request's last query equals the prefill's row for it (window None)
     dec_full = be.decode(q[last], kc1, vc1, sl, bt, None, 0.2)
     torch.testing.assert_close(dec_full, out[last], atol=1e-5, rtol=0)
+
+
+def test_triton_backend_strided_views():
+    """The model hands the backend views: q and k sliced from one RoPE'd (T, nh + kvh, hd) tensor, v a
+    view of a slice of the fused qkv output, K/V of a run of layers sliced out of all layers. The kernels
+    take strides, so the views give exactly the results of contiguous copies."""
+    from swiftkv_fast.attention.triton_backend import TritonBackend
+
+    be = TritonBackend()
+    q, kc, vc, cu, sl, bt = make_case(5, q_lens=[3, 1, 6], seq_lens=[11, 20, 6], block_size=4, kv_heads=2,
+                                      q_per_kv=2, head_dim=32, window=None, dtype=torch.float32)
+    kc, vc = kc.nan_to_num(0.0), vc.nan_to_num(0.0)
+    g = torch.Generator().manual_seed(9)
+    qk = torch.cat([q, torch.randn(q.shape[0], 2, 32, generator=g).to(DEVICE)], dim=1)  # (T, nh + kvh, hd)
+    q_view = qk[:, :4]
+    assert not q_view.is_contiguous()
+    meta = SimpleNamespace(cu_seqlens_q=cu, seq_lens=sl, block_tables=bt, max_query_len=6, max_seq_len=20)
+    assert torch.equal(be.prefill(q_view, kc, vc, meta, 8, 0.2), be.prefill(q_view.contiguous(), kc, vc,
+                                                                             meta, 8, 0.2))
+    last = (cu[1:] - 1).long()
+    assert torch.equal(be.decode(q_view[last], kc, vc, sl, bt, None, 0.2),
+                       be.decode(q[last].contiguous(), kc, vc, sl, bt, None, 0.2))
+    # write_kv: (T, 3 layers, kvh, hd) K/V, layers 1..2 written into a 2-layer cache slice
+    T = 10
+    kv = torch.randn(T, 2, 3, 2, 32, generator=g).to(DEVICE)
+    k_view, v_view = kv[:, 0, 1:3], kv[:, 1, 1:3]
+    assert not k_view.is_contiguous()
+    slots = torch.randperm(40, generator=g)[:T].to(DEVICE)
+    a = torch.zeros(3, 2, 10, 4, 2, 32, device=DEVICE)
+    b = torch.zeros_like(a)
+    be.write_kv(a[1:3], k_view, v_view, slots)
+    be.write_kv(b[1:3], k_view.contiguous(), v_view.contiguous(), slots)
+    assert torch.equal(a, b) and a[0].abs().sum() == 0 and a[1:].abs().sum() > 0

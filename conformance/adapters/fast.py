@@ -3,7 +3,8 @@
 fast-torch      attention_backend="torch", eager (the portable backend; CPU or CUDA)
 fast-triton     attention_backend="triton", eager (CUDA, or CPU under TRITON_INTERPRET=1)
 fast-flash      attention_backend="flash_attn", eager (CUDA + flash-attn; block size % 256 == 0)
-fast-cudagraph  attention_backend="triton" with the second half replayed from CUDA graphs (CUDA)
+fast-cudagraph  attention_backend="triton" with the second half replayed from CUDA graphs (CUDA);
+                every generate() call must replay at least one graph (LLM.get_stats()["cuda_graph_replays"])
 """
 
 from __future__ import annotations
@@ -91,9 +92,15 @@ def convert_output(out: Any, sampling: Sampling) -> Output:
     )
 
 
+def _stats(llm: Any) -> dict[str, Any]:
+    get_stats = getattr(llm, "get_stats", None)
+    return dict(get_stats()) if callable(get_stats) else {}
+
+
 class _FastRunner(Runner):
-    def __init__(self, llm: Any):
+    def __init__(self, llm: Any, expect_graph_replays: bool = False):
         self.llm = llm
+        self.expect_graph_replays = expect_graph_replays
 
     def generate(self, prompts: list[list[int]], sampling: list[Sampling]) -> list[Output]:
         from swiftkv_fast import SamplingParams
@@ -121,13 +128,37 @@ class _FastRunner(Runner):
             kwargs["use_tqdm"] = False
         if "return_logits" in sig:
             kwargs["return_logits"] = True
+        before = _stats(self.llm)
         outs = gen([list(p) for p in prompts], params, **kwargs)
+        if self.expect_graph_replays:
+            self._check_graph_replays(before, _stats(self.llm))
         return [convert_output(o, s) for o, s in zip(outs, sampling)]
 
+    @staticmethod
+    def _check_graph_replays(before: dict[str, Any], after: dict[str, Any]) -> None:
+        """Every step samples at most max_num_seqs tokens (the largest bucket) with block tables no
+        wider than captured, so a generate() call with graphs on replays at least one graph."""
+        if "cuda_graph_replays" not in after:
+            raise AssertionError("fast-cudagraph: LLM.get_stats() has no 'cuda_graph_replays' counter")
+        replays = after["cuda_graph_replays"] - before.get("cuda_graph_replays", 0)
+        eager = after.get("eager_second_half_steps", 0) - before.get("eager_second_half_steps", 0)
+        assert after.get("cuda_graph_enabled", True), "fast-cudagraph: CUDA graphs are disabled in the engine"
+        assert replays > 0, (
+            f"fast-cudagraph: no second-half CUDA graph replayed in this generate() call "
+            f"({eager} eager second-half steps)"
+        )
+
     def counters(self) -> dict[str, int]:
+        out: dict[str, int] = {}
         scheduler = getattr(getattr(self.llm, "llm_engine", None), "scheduler", None)
         value = getattr(scheduler, "num_preemptions", None)
-        return {} if value is None else {"num_preemptions": int(value)}
+        if value is not None:
+            out["num_preemptions"] = int(value)
+        for name in ("cuda_graph_replays", "eager_second_half_steps"):
+            stat = _stats(self.llm).get(name)
+            if stat is not None:
+                out[name] = int(stat)
+        return out
 
     def close(self) -> None:
         for name in ("shutdown", "close"):
@@ -145,6 +176,7 @@ class Fast(Implementation):
 
     backend: str = "torch"
     enforce_eager: bool = True
+    expect_graph_replays: bool = False  # assert that each generate() replayed a second-half CUDA graph
 
     @classmethod
     def _base_available(cls) -> tuple[bool, str]:
@@ -206,7 +238,8 @@ class Fast(Implementation):
                 raise TypeError(f"swiftkv_fast EngineConfig has no {unknown}")
         except ImportError:
             pass
-        return _FastRunner(LLM.from_state_dict(config, state_dict, tokenizer=None, **kwargs))
+        llm = LLM.from_state_dict(config, state_dict, tokenizer=None, **kwargs)
+        return _FastRunner(llm, expect_graph_replays=self.expect_graph_replays)
 
 
 class FastTorch(Fast):
@@ -289,6 +322,7 @@ class FastCudaGraph(Fast):
     name = "fast-cudagraph"
     backend = "triton"
     enforce_eager = False
+    expect_graph_replays = True
     gpu = True
 
     @classmethod

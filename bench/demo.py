@@ -143,7 +143,7 @@ def chat(llm, questions: list[str]) -> list[str]:
     outs = llm.chat(
         [[{"role": "user", "content": q}] for q in questions],
         engine.greedy(48, ignore_eos=False),
-        use_tqdm=False,
+        use_tqdm=True,
     )
     answers = [o.outputs[0].text.strip() for o in outs]
     for q, a in zip(questions, answers):

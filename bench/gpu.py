@@ -24,17 +24,33 @@ log = logging.getLogger(__name__)
 
 HELP = "short CUDA benchmark (embedded + Llama-3.1-8B-shaped model, bf16); needs CUDA"
 LLAMA8B_SHAPES = dict(
-    model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-    num_key_value_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=8192,
-    rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=[128001],
+    model_type="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    rope_theta=500000.0,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    bos_token_id=128000,
+    eos_token_id=[128001],
 )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layers", type=int, default=4, help="layers of the 8B-shaped model (default 4, L=N/2)")
+    parser.add_argument(
+        "--layers", type=int, default=4, help="layers of the 8B-shaped model (default 4, L=N/2)"
+    )
     parser.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV cache per engine (default 4 GiB)")
-    parser.add_argument("--models", type=lambda s: s.split(","), default=["smollm2", "llama8b-shaped"],
-                        help="comma-separated: smollm2, llama8b-shaped")
+    parser.add_argument(
+        "--models",
+        type=lambda s: s.split(","),
+        default=["smollm2", "llama8b-shaped"],
+        help="comma-separated: smollm2, llama8b-shaped",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,11 +78,23 @@ def run(args: argparse.Namespace) -> int:
         ["model", "case", "L", "CUDA graph", "tokens/s", "ratio"],
     )
     for r in rows:
-        table.add(r["model"], r["case"], r["num_key_value_layers"], "off" if r["enforce_eager"] else "on",
-                  r["tokens_per_second"], r.get("ratio_note"))
+        table.add(
+            r["model"],
+            r["case"],
+            r["num_key_value_layers"],
+            "off" if r["enforce_eager"] else "on",
+            r["tokens_per_second"],
+            r.get("ratio_note"),
+        )
     table.notes += [f"FAILED {f}" for f in failures]
-    settings = {"prefill": prefill, "decode": decode, "repeat": repeat, "warmup": warmup, "dtype": "bfloat16",
-                "llama8b_shapes": {**LLAMA8B_SHAPES, "num_hidden_layers": args.layers}}
+    settings = {
+        "prefill": prefill,
+        "decode": decode,
+        "repeat": repeat,
+        "warmup": warmup,
+        "dtype": "bfloat16",
+        "llama8b_shapes": {**LLAMA8B_SHAPES, "num_hidden_layers": args.layers},
+    }
     json_path = report.write_json(out, "gpu", settings, rows, failures=failures)
     png_path = plot(rows, out)
     report.finish([table], [json_path, png_path])
@@ -132,8 +160,13 @@ def _model(name: str, args, prefill, decode, repeat, warmup) -> list[dict]:
     for key in cases:
         phase, mode = key.split("/")
         L, eager = llms[mode]
-        row = {"model": name, "case": f"{phase} {mode}", "num_key_value_layers": L, "enforce_eager": eager,
-               "tokens_per_second": Stats.of(tps[key])}
+        row = {
+            "model": name,
+            "case": f"{phase} {mode}",
+            "num_key_value_layers": L,
+            "enforce_eager": eager,
+            "tokens_per_second": Stats.of(tps[key]),
+        }
         if key == "prefill/on":
             row["ratio"] = paired_ratio(tps[key], tps["prefill/off"])
             row["ratio_note"] = f"{row['ratio'].median:.2f}x prefill off"

@@ -32,7 +32,7 @@ def formula_bytes_per_token(n_layers: int, L: int, G: int, kv_heads: int, head_d
 def splits(n_layers: int, quick: bool) -> list[tuple[int, int]]:
     """(L, G) pairs: L = N, 3N/4 and N/2, each with the group sizes that divide N - L."""
     out = [(n_layers, 1)]
-    for L in ([n_layers // 2] if quick else [3 * n_layers // 4, n_layers // 2]):
+    for L in [n_layers // 2] if quick else [3 * n_layers // 4, n_layers // 2]:
         gs = [g for g in range(1, n_layers - L + 1) if (n_layers - L) % g == 0]
         out += [(L, g) for g in (gs[:2] if quick else gs[:5])]
     return out
@@ -48,33 +48,67 @@ def run(args: argparse.Namespace) -> int:
     budget = args.cache_mib << 20
     rows = []
     for L, G in splits(n_layers, args.quick):
-        llm = engine.build_llm(L, G, config=config, state_dict=state, kv_cache_memory=budget,
-                               max_model_len=max(args.request_len, 16))
+        llm = engine.build_llm(
+            L,
+            G,
+            config=config,
+            state_dict=state,
+            kv_cache_memory=budget,
+            max_model_len=max(args.request_len, 16),
+        )
         a = engine.kv_allocation(llm)
         del llm
         formula = formula_bytes_per_token(n_layers, L, G, a["kv_heads"], a["head_dim"], a["element_bytes"])
         per_request = -(-args.request_len // a["block_size"])
-        rows.append({
-            "num_key_value_layers": L, "key_value_group_size": G, **a,
-            "formula_bytes_per_token": formula, "matches_formula": a["bytes_per_token"] == formula,
-            "kv_fraction_of_full": a["cache_layers"] / n_layers,
-            "max_concurrency": (a["num_blocks"] - 1) / per_request,
-        })
+        rows.append(
+            {
+                "num_key_value_layers": L,
+                "key_value_group_size": G,
+                **a,
+                "formula_bytes_per_token": formula,
+                "matches_formula": a["bytes_per_token"] == formula,
+                "kv_fraction_of_full": a["cache_layers"] / n_layers,
+                "max_concurrency": (a["num_blocks"] - 1) / per_request,
+            }
+        )
     full = rows[0]
     table = report.Table(
         f"KV memory, SmolLM2-135M-Instruct fp32 (N={n_layers}), {args.cache_mib} MiB cache, "
         f"{args.request_len}-token requests",
-        ["L", "G", "cache layers", "bytes/token", "formula", "of full", "blocks", "max concurrency", "x full"],
+        [
+            "L",
+            "G",
+            "cache layers",
+            "bytes/token",
+            "formula",
+            "of full",
+            "blocks",
+            "max concurrency",
+            "x full",
+        ],
     )
     for r in rows:
-        table.add(r["num_key_value_layers"], r["key_value_group_size"], r["cache_layers"], r["bytes_per_token"],
-                  f"{r['formula_bytes_per_token']:,.0f}" + ("" if r["matches_formula"] else " (!)"),
-                  f"{100 * r['kv_fraction_of_full']:.0f}%", r["num_blocks"], f"{r['max_concurrency']:.2f}",
-                  f"{r['max_concurrency'] / max(full['max_concurrency'], 1):.2f}x")
-    table.notes.append("bytes/token and blocks: from the engine's allocated kv_cache tensor; "
-                       "max concurrency: (blocks - 1 null block) / blocks per request (as the engine logs it).")
-    settings = {"cache_mib": args.cache_mib, "request_len": args.request_len, "num_hidden_layers": n_layers,
-                "dtype": "float32"}
+        table.add(
+            r["num_key_value_layers"],
+            r["key_value_group_size"],
+            r["cache_layers"],
+            r["bytes_per_token"],
+            f"{r['formula_bytes_per_token']:,.0f}" + ("" if r["matches_formula"] else " (!)"),
+            f"{100 * r['kv_fraction_of_full']:.0f}%",
+            r["num_blocks"],
+            f"{r['max_concurrency']:.2f}",
+            f"{r['max_concurrency'] / max(full['max_concurrency'], 1):.2f}x",
+        )
+    table.notes.append(
+        "bytes/token and blocks: from the engine's allocated kv_cache tensor; "
+        "max concurrency: (blocks - 1 null block) / blocks per request (as the engine logs it)."
+    )
+    settings = {
+        "cache_mib": args.cache_mib,
+        "request_len": args.request_len,
+        "num_hidden_layers": n_layers,
+        "dtype": "float32",
+    }
     json_path = report.write_json(args.out, "memory", settings, rows)
     png_path = plot(rows, args.out)
     report.finish([table], [json_path, png_path])

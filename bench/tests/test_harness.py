@@ -11,8 +11,15 @@ from bench import flops, harness, report
 from bench.memory import formula_bytes_per_token, splits
 from bench.throughput import MIXES, _percentiles, mix_prompts
 
-SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
-               head_dim=64, vocab_size=49152, num_hidden_layers=30)
+SMOLLM2 = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    vocab_size=49152,
+    num_hidden_layers=30,
+)
 
 
 def test_stats_median_spread_and_quartiles():
@@ -84,8 +91,15 @@ def test_flop_limit_full_is_one_and_half_is_about_1_9():
 
 
 def test_flop_count_by_hand_for_one_token_one_layer():
-    cfg = dict(hidden_size=2, intermediate_size=3, num_attention_heads=1, num_key_value_heads=1, head_dim=2,
-               vocab_size=5, num_hidden_layers=1)
+    cfg = dict(
+        hidden_size=2,
+        intermediate_size=3,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=2,
+        vocab_size=5,
+        num_hidden_layers=1,
+    )
     # q, k, v, o: 4 * 2*2*2 = 32; MLP 3 * 2*2*3 = 36; attention 4*1*2*1 = 8; lm_head 2*2*5 = 20
     assert flops.prefill_flops(cfg, 1) == 32 + 36 + 8 + 20
 

@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     repeat = args.repeat or 3
     warmup = 1 if args.warmup is None else args.warmup
     prefill = (4, 512) if args.quick else (16, 2048)  # prompts x tokens
-    decode = (8, 16, 32) if args.quick else (64, 32, 256)  # prompts x tokens -> output tokens
+    decode = (8, 16, 32) if args.quick else (64, 32, 128)  # prompts x tokens -> output tokens
     rows, failures = [], []
     for name in args.models:
         try:

@@ -129,3 +129,32 @@ def test_cli_parses_every_benchmark():
     for name in [*BENCHMARKS, "all"]:
         args = parser.parse_args([name, "--quick"])
         assert args.name == name and args.quick
+
+
+def test_gpu_benchmark_runs_on_cpu_with_tiny_shapes():
+    """The CUDA benchmark's case logic, on CPU with a tiny random model (no timing checked)."""
+    import argparse
+
+    pytest.importorskip("swiftkv_fast")
+    from bench import gpu
+
+    shapes = dict(
+        gpu.LLAMA8B_SHAPES,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    )
+    args = argparse.Namespace(device="cpu", shapes=shapes, layers=2, kv_cache_gib=0.01, seed=0)
+    rows = gpu._model("llama8b-shaped", args, prefill=(2, 16), decode=(2, 4, 3), repeat=1, warmup=0)
+    assert [r["case"] for r in rows] == [
+        "prefill off",
+        "prefill on",
+        "decode off",
+        "decode on",
+        "decode on-eager",
+    ]
+    assert [r["num_key_value_layers"] for r in rows] == [2, 1, 2, 1, 1]
+    assert rows[1]["ratio"].n == 1 and rows[3]["ratio"].n == 1

@@ -96,6 +96,17 @@ def test_teacher_path_of_swiftkv_checkpoint(tiny):
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
 
 
+def test_training_switch_off_still_serves_swiftkv(tiny):
+    """Snowflake's trainer saves `swiftkv: false` (its runtime switch); serving runs SwiftKV anyway."""
+    cfg, state, model = tiny(**MODELS["swiftkv_g1"])
+    prompts = random_prompts(2, cfg.vocab_size, [9, 60])
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm = LLM.from_state_dict(cfg.replace(swiftkv=False), state)
+    assert llm.config.num_key_value_layers == 2 and llm.config.swiftkv
+    for p, o in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        assert o.outputs[0].token_ids == reference_greedy(model, p, 4)[0]
+
+
 def test_on_the_fly_conversion_matches_converted_reference(tiny):
     from swiftkv_reference.checkpoint import swiftkv_init
     from swiftkv_reference.model import SwiftKVForCausalLM

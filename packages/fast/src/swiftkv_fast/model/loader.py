@@ -38,8 +38,14 @@ def apply_swiftkv_options(config, state_dict, num_key_value_layers, key_value_gr
     check_state_dict(config, state_dict)
     n = config.num_hidden_layers
     if config.is_swiftkv and not config.swiftkv:
-        # swiftkv=false: the original path, every layer with its own q/k/v and cache
-        config = config.replace(num_key_value_layers=n, key_value_group_size=1, swiftkv=True)
+        # Snowflake's trainer saves its runtime switch (default false); serving engines ignore it, and
+        # so do we: the checkpoint's SwiftKV path runs. num_key_value_layers=N selects the original one.
+        logger.info(
+            "config.json has swiftkv=false (a training-time switch): serving the SwiftKV path; "
+            "pass num_key_value_layers=%d for the original (teacher) path",
+            n,
+        )
+        config = config.replace(swiftkv=True)
     want_l = num_key_value_layers if num_key_value_layers is not None else config.num_key_value_layers
     want_g = key_value_group_size if key_value_group_size is not None else config.key_value_group_size
     if (want_l, want_g) == (config.num_key_value_layers, config.key_value_group_size):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import struct
 from array import array
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -48,6 +49,15 @@ def block_extra_keys(block_index: int, lora_id: Hashable | None, cache_salt: str
     return keys or None
 
 
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    """The token ids as 8-byte little-endian integers (``struct`` packs a list about
+    twice as fast as ``array`` converts one)."""
+    try:
+        return struct.pack(f"<{len(token_ids)}q", *token_ids)
+    except struct.error:
+        return array("q", token_ids).tobytes()  # not int64s: raise array's TypeError/OverflowError
+
+
 def _extra_bytes(extra_keys: tuple | None) -> bytes:
     return b"" if extra_keys is None else pickle.dumps(extra_keys, protocol=_PROTOCOL)
 
@@ -62,7 +72,7 @@ def hash_block_tokens(
     parent = NONE_HASH if parent_hash is None else parent_hash
     if hash_fn is not None:
         return hash_fn((parent, tuple(token_ids), extra_keys))
-    return _sha256(parent + array("q", token_ids).tobytes() + _extra_bytes(extra_keys)).digest()
+    return _sha256(parent + _token_bytes(token_ids) + _extra_bytes(extra_keys)).digest()
 
 
 def extend_block_hashes(
@@ -88,7 +98,7 @@ def extend_block_hashes(
             block_hashes.append(parent)
         return
     step = 8 * block_size
-    data = array("q", token_ids[first * block_size : n_full * block_size]).tobytes()
+    data = _token_bytes(token_ids[first * block_size : n_full * block_size])
     tail = _extra_bytes(lora_key)
     pos = 0
     append = block_hashes.append

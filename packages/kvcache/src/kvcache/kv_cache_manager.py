@@ -67,7 +67,8 @@ class KVCacheManager:
     request serves all groups; mixed sizes raise ``ValueError``). A hit in a hybrid
     model is the longest prefix every group accepts (fixed point: each group
     returns its longest acceptable hit within the current candidate, the candidate
-    shrinks to the minimum until all agree). Cache keys include the group id.
+    shrinks to the minimum until all agree); with one group its own hit is final,
+    as in vLLM's unitary coordinator. Cache keys include the group id.
 
     Bad input raises (``ValueError``/``TypeError``/``KeyError``) before anything changes.
     """
@@ -100,6 +101,9 @@ class KVCacheManager:
         self.managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
             manager_class_for(spec)(spec, self.block_pool, gid) for gid, spec in enumerate(groups)
         )
+        #: The managers whose attention type can ever drop blocks (not full attention):
+        #: only these run the skip policy on every step.
+        self._skipping_managers = tuple(m for m in self.managers if m.can_skip_blocks)
         self._requests: dict[str, Request] = {}
         self._stats = PrefixCacheStats()
 
@@ -165,6 +169,10 @@ class KVCacheManager:
         hashes = request.block_hashes
         pool = self.block_pool
         candidate = (request.num_tokens - 1) // bs * bs
+        if len(self.managers) == 1:  # one group (vLLM's unitary coordinator): its hit is final
+            (manager,) = self.managers
+            blocks = manager.find_longest_cache_hit(hashes, candidate, manager.group_id, pool, manager.spec)
+            return CacheHit(request.request_id, len(blocks) * bs, (blocks,))
         while True:
             hits = []
             shortest = candidate
@@ -214,23 +222,28 @@ class KVCacheManager:
         # A running request (the hot path: every decode step).
         num_computed = request.num_computed_tokens
         total_computed = num_computed + num_new_tokens
-        self._check_lengths(request, num_computed, 0, num_new_tokens, num_lookahead_tokens)
         total = total_computed + num_lookahead_tokens
+        if total_computed > len(request.all_token_ids) or total > self.max_model_len:
+            self._check_lengths(request, num_computed, 0, num_new_tokens, num_lookahead_tokens)
         managers = self.managers
         need = 0
         for m in managers:
             n = -(-total // m.block_size) - len(m.req_to_blocks[rid])
             if n > 0:
                 need += n
-        num_free = self.block_pool.free_block_queue.num_free_blocks
-        if need > num_free:
-            if need > num_free + sum(m.num_freed_by_skip(rid, num_computed) for m in managers):
+        if need > self.block_pool.free_block_queue.num_free_blocks:
+            num_freed = sum(m.num_freed_by_skip(rid, num_computed) for m in self._skipping_managers)
+            if need > self.block_pool.free_block_queue.num_free_blocks + num_freed:
                 return None
         if num_computed:
-            for m in managers:
-                m.remove_skipped(rid, num_computed)
+            for m in self._skipping_managers:
+                removed = m.remove_skipped_blocks(m.req_to_blocks[rid], num_computed)
+                if removed:
+                    self.block_pool.free_blocks(removed)
         if need:
             new_ids = tuple([b.block_id for b in m.allocate_new_blocks(rid, total)] for m in managers)
+        elif len(managers) == 1:
+            new_ids = ([],)
         else:
             new_ids = tuple([] for _ in managers)
         if self.enable_caching:

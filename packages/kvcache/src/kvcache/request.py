@@ -67,13 +67,14 @@ class Request:
 
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         """Append sampled tokens; newly completed blocks get their hashes."""
-        if isinstance(token_ids, int):
-            token_ids = [token_ids]
+        all_ids = self.all_token_ids
+        if isinstance(token_ids, int):  # one sampled token: the decode step
+            self.output_token_ids.append(token_ids)
+            all_ids.append(token_ids)
         else:
             token_ids = list(token_ids)
-        self.output_token_ids.extend(token_ids)
-        all_ids = self.all_token_ids
-        all_ids.extend(token_ids)
+            self.output_token_ids.extend(token_ids)
+            all_ids.extend(token_ids)
         bs = self._hash_block_size
         if bs and len(all_ids) // bs > len(self.block_hashes):
             self._extend_hashes()

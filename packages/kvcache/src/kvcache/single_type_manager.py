@@ -56,6 +56,15 @@ class SingleTypeKVCacheManager:
     """Block tables of one KV cache group (one attention type) over the shared pool."""
 
     spec_type: ClassVar[type[KVCacheSpec]]
+    #: False only for types whose ``remove_skipped_blocks`` never removes anything
+    #: (full attention); ``KVCacheManager`` then skips the per-step call. A subclass
+    #: that defines its own ``remove_skipped_blocks`` is reset to True.
+    can_skip_blocks: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "remove_skipped_blocks" in cls.__dict__ and "can_skip_blocks" not in cls.__dict__:
+            cls.can_skip_blocks = True
 
     def __init__(self, spec: KVCacheSpec, block_pool: BlockPool, group_id: int) -> None:
         self.spec = spec
@@ -104,20 +113,13 @@ class SingleTypeKVCacheManager:
         return max(num_new, 0) + num_evictable
 
     def num_freed_by_skip(self, request_id: str, num_computed_tokens: int) -> int:
-        """How many blocks ``remove_skipped`` would return to the free queue (no change made)."""
+        """How many blocks ``remove_skipped_blocks`` on the request's table would return to
+        the free queue (no change made)."""
         table = self.req_to_blocks.get(request_id)
         if not table:
             return 0
         removed = self.remove_skipped_blocks(list(table), num_computed_tokens)
         return sum(1 for block in removed if block.ref_cnt == 1)
-
-    def remove_skipped(self, request_id: str, num_computed_tokens: int) -> None:
-        """Apply ``remove_skipped_blocks`` to a running request's table and free what it drops."""
-        table = self.req_to_blocks.get(request_id)
-        if table:
-            removed = self.remove_skipped_blocks(table, num_computed_tokens)
-            if removed:
-                self.block_pool.free_blocks(removed)
 
     def add_request(self, request_id: str, hit_blocks: Sequence[KVCacheBlock]) -> None:
         """Start a table for a new request from its (already null-padded) hit blocks."""
@@ -156,6 +158,8 @@ class SingleTypeKVCacheManager:
 @register_manager(FullAttentionSpec)
 class FullAttentionManager(SingleTypeKVCacheManager):
     """Full attention: nothing is ever skipped; a hit is the cached prefix, left to right."""
+
+    can_skip_blocks = False
 
     def remove_skipped_blocks(
         self, blocks: list[KVCacheBlock], num_computed_tokens: int
@@ -204,15 +208,21 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     but, as in vLLM, only a cached block ends a hit, so an all-miss gives 0.
     """
 
+    def __init__(self, spec: KVCacheSpec, block_pool: BlockPool, group_id: int) -> None:
+        super().__init__(spec, block_pool, group_id)
+        self.window: int = spec.window  # type: ignore[attr-defined]
+
     def remove_skipped_blocks(
         self, blocks: list[KVCacheBlock], num_computed_tokens: int
     ) -> list[KVCacheBlock]:
-        num_skipped_tokens = num_computed_tokens - self.spec.window + 1  # type: ignore[attr-defined]
-        if num_skipped_tokens <= 0:
-            return []
+        num_skipped_blocks = (num_computed_tokens - self.window + 1) // self.block_size
+        if num_skipped_blocks > len(blocks):
+            num_skipped_blocks = len(blocks)
         null = self.null_block
+        if num_skipped_blocks <= 0 or blocks[num_skipped_blocks - 1] is null:
+            return []  # nothing out of the window yet, or (most decode steps) nothing new
         removed: list[KVCacheBlock] = []
-        for i in range(min(num_skipped_tokens // self.block_size, len(blocks)) - 1, -1, -1):
+        for i in range(num_skipped_blocks - 1, -1, -1):
             block = blocks[i]
             if block is null:
                 break

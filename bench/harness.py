@@ -10,6 +10,7 @@ measurements of round i only) and summarises those ratios.
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 import platform
@@ -69,6 +70,9 @@ class Sample:
 
 
 def timed(fn: Callable[[], dict[str, Any] | None]) -> Sample:
+    # a full collection outside the clock: otherwise an old-generation pass over every object the
+    # imports left (torch, transformers, vLLM) lands inside whichever sample happens to trigger it
+    gc.collect()
     start = time.perf_counter()
     metrics = fn() or {}
     return Sample(time.perf_counter() - start, dict(metrics))

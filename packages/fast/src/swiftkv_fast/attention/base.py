@@ -7,7 +7,7 @@ request is `block_table[p // block_size] * block_size + p % block_size`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +21,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # (num_reqs, max_blocks) int32, padded with the null block 0
     max_query_len: int
     max_seq_len: int
+    # per-step values a backend derives from the fields above and shares across the layers of the
+    # group (e.g. the torch backend's decode gather indices); built lazily, ignored by other backends
+    backend_cache: dict = field(default_factory=dict)
 
 
 class AttentionBackend:

@@ -3,9 +3,16 @@
 Requests are batched by padding: each request's blocks are gathered into a dense (R, max_kv) K/V, the
 queries into (R, max_q), and causal / sliding-window / padding masks are built as tensors. Single-query
 requests of a mixed batch go through the decode path so one long prompt does not pad every decode.
+
+Decode gathers exactly the context slots (one `index_select` per K and V, the indices and the mask built
+once per step: `DecodePlan`, kept in `meta.backend_cache` and shared by every layer of the group), and
+serves GQA by viewing the query heads of one KV head as that head's queries: (R, kv_heads, group, D)
+against (R, kv_heads, max_kv, D), so K/V are never repeated.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +28,45 @@ def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_kv: int) -> 
     kv = cache[block_tables[:, :num_blocks].long()]  # (R, nb, block_size, kv_heads, head_dim)
     kv = kv.flatten(1, 2)[:, :max_kv]
     return kv.transpose(1, 2)
+
+
+@dataclass
+class DecodePlan:
+    """What a decode batch gathers from the cache; the same for every layer of a kvcache group."""
+
+    slots: torch.Tensor  # (R * max_kv,) int64: cache slot of every context position (null block past the end)
+    mask: torch.Tensor  # (R, 1, 1, max_kv) bool: the positions each request's query sees
+    max_kv: int
+
+
+def decode_plan(
+    seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int, window: int | None
+) -> DecodePlan:
+    # seq_lens: (R,) int; block_tables: (R, max_blocks) int32
+    seq_lens = seq_lens.long()
+    max_kv = max(1, int(seq_lens.max()))
+    num_blocks = -(-max_kv // block_size)
+    offsets = torch.arange(block_size, device=block_tables.device)
+    slots = block_tables[:, :num_blocks].long()[:, :, None] * block_size + offsets  # (R, nb, block_size)
+    kpos = torch.arange(max_kv, device=block_tables.device)
+    mask = kpos[None, :] < seq_lens[:, None]  # (R, max_kv)
+    if window is not None:
+        mask &= kpos[None, :] > seq_lens[:, None] - 1 - window
+    return DecodePlan(slots.flatten(1)[:, :max_kv].reshape(-1), mask[:, None, None], max_kv)
+
+
+def _decode_attention(q, k_cache, v_cache, plan: DecodePlan, scale):
+    # q: (R, H, D); k_cache, v_cache: (num_blocks, block_size, kv_heads, D) -> (R, H, D)
+    num_reqs, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    k = k_cache.flatten(0, 1).index_select(0, plan.slots)  # (R * max_kv, KVH, D)
+    v = v_cache.flatten(0, 1).index_select(0, plan.slots)
+    k = k.view(num_reqs, plan.max_kv, kv_heads, head_dim).transpose(1, 2)  # (R, KVH, max_kv, D)
+    v = v.view(num_reqs, plan.max_kv, kv_heads, head_dim).transpose(1, 2)
+    # GQA: the `group` query heads of KV head h are h's queries: (R, KVH, group, D)
+    qg = q.unflatten(1, (kv_heads, num_heads // kv_heads))
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=plan.mask, scale=scale)
+    return out.reshape(num_reqs, num_heads, head_dim)
 
 
 def _sdpa(q, k, v, mask, scale, is_causal=False):
@@ -49,7 +95,13 @@ class TorchBackend(AttentionBackend):
         cu = meta.cu_seqlens_q.long()
         q_lens = cu[1:] - cu[:-1]
         if meta.max_query_len == 1:
-            return self.decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, window, scale)
+            # every layer of the group decodes the same requests: one plan per step and window
+            key = ("decode_plan", window)
+            plan = meta.backend_cache.get(key)
+            if plan is None:
+                plan = decode_plan(meta.seq_lens, meta.block_tables, k_cache.shape[1], window)
+                meta.backend_cache[key] = plan
+            return _decode_attention(q, k_cache, v_cache, plan, scale)
         single = q_lens == 1
         if bool(single.any()):
             # NOTE: decode rows and prompt rows are served separately (no padding of decodes to max_q)
@@ -104,13 +156,5 @@ class TorchBackend(AttentionBackend):
 
     def decode(self, q, k_cache, v_cache, seq_lens, block_tables, window, scale):
         # q: (R, H, D)
-        seq_lens = seq_lens.long()
-        max_kv = int(seq_lens.max())
-        k = _gather_kv(k_cache, block_tables, max_kv)  # (R, KVH, max_kv, D)
-        v = _gather_kv(v_cache, block_tables, max_kv)
-        kpos = torch.arange(max_kv, device=q.device)
-        mask = kpos[None, :] < seq_lens[:, None]  # (R, max_kv)
-        if window is not None:
-            mask &= kpos[None, :] > seq_lens[:, None] - 1 - window
-        out = _sdpa(q[:, :, None], k, v, mask[:, None, None], scale)  # (R, H, 1, D)
-        return out[:, :, 0]
+        plan = decode_plan(seq_lens, block_tables, k_cache.shape[1], window)
+        return _decode_attention(q, k_cache, v_cache, plan, scale)

@@ -64,3 +64,19 @@ def test_decode_strided_query():
     assert torch.equal(got, want)
     ref = naive_decode(qk[:, :6], k_cache, v_cache, seq_lens, block_tables, None, 0.5)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_in_chunks_of_requests(monkeypatch):
+    # a chunk budget below one request's K/V: every request is attended on its own
+    from swiftkv_fast.attention import torch_backend
+
+    torch.manual_seed(2)
+    k_cache = torch.randn(10, 4, 2, 8)
+    v_cache = torch.randn(10, 4, 2, 8)
+    seq_lens = torch.tensor([9, 2, 6], dtype=torch.int32)
+    block_tables = torch.tensor([[4, 7, 1], [3, 0, 0], [8, 2, 0]], dtype=torch.int32)
+    q = torch.randn(3, 4, 8)
+    want = naive_decode(q, k_cache, v_cache, seq_lens, block_tables, None, 0.4)
+    monkeypatch.setattr(torch_backend, "DECODE_CHUNK_BYTES", 1)
+    got = TorchBackend().decode(q, k_cache, v_cache, seq_lens, block_tables, None, 0.4)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -7,7 +7,8 @@ requests of a mixed batch go through the decode path so one long prompt does not
 Decode gathers exactly the context slots (one `index_select` per K and V, the indices and the mask built
 once per step: `DecodePlan`, kept in `meta.backend_cache` and shared by every layer of the group), and
 serves GQA by viewing the query heads of one KV head as that head's queries: (R, kv_heads, group, D)
-against (R, kv_heads, max_kv, D), so K/V are never repeated.
+against (R, kv_heads, max_kv, D), so K/V are never repeated. Requests are attended in chunks whose
+gathered K/V fit in L2 (DECODE_CHUNK_BYTES), so SDPA reads them from cache rather than memory.
 """
 
 from __future__ import annotations
@@ -55,18 +56,30 @@ def decode_plan(
     return DecodePlan(slots.flatten(1)[:, :max_kv].reshape(-1), mask[:, None, None], max_kv)
 
 
+# K+V bytes gathered per chunk of decode requests: small enough to be attended while still in the
+# core's L2 cache, instead of being written to memory by the gather and read back by SDPA
+DECODE_CHUNK_BYTES = 2 << 20
+
+
 def _decode_attention(q, k_cache, v_cache, plan: DecodePlan, scale):
     # q: (R, H, D); k_cache, v_cache: (num_blocks, block_size, kv_heads, D) -> (R, H, D)
     num_reqs, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
-    k = k_cache.flatten(0, 1).index_select(0, plan.slots)  # (R * max_kv, KVH, D)
-    v = v_cache.flatten(0, 1).index_select(0, plan.slots)
-    k = k.view(num_reqs, plan.max_kv, kv_heads, head_dim).transpose(1, 2)  # (R, KVH, max_kv, D)
-    v = v.view(num_reqs, plan.max_kv, kv_heads, head_dim).transpose(1, 2)
+    k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)  # (num_slots, KVH, D)
     # GQA: the `group` query heads of KV head h are h's queries: (R, KVH, group, D)
     qg = q.unflatten(1, (kv_heads, num_heads // kv_heads))
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=plan.mask, scale=scale)
-    return out.reshape(num_reqs, num_heads, head_dim)
+    out = torch.empty(qg.shape, dtype=q.dtype, device=q.device)
+    per_req = 2 * plan.max_kv * kv_heads * head_dim * k_cache.element_size()
+    chunk = max(1, DECODE_CHUNK_BYTES // per_req)
+    for a in range(0, num_reqs, chunk):
+        b = min(a + chunk, num_reqs)
+        slots = plan.slots[a * plan.max_kv : b * plan.max_kv]
+        k = k_flat.index_select(0, slots).view(b - a, plan.max_kv, kv_heads, head_dim)
+        v = v_flat.index_select(0, slots).view(b - a, plan.max_kv, kv_heads, head_dim)
+        out[a:b] = F.scaled_dot_product_attention(
+            qg[a:b], k.transpose(1, 2), v.transpose(1, 2), attn_mask=plan.mask[a:b], scale=scale
+        )  # (b - a, KVH, group, D)
+    return out.view(num_reqs, num_heads, head_dim)
 
 
 def _sdpa(q, k, v, mask, scale, is_causal=False):

@@ -9,6 +9,7 @@ fast-cudagraph  attention_backend="triton" with the second half replayed from CU
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import importlib.util
 import inspect
@@ -225,19 +226,14 @@ class Fast(Implementation):
 
     def build(self, config: Any, state_dict: dict[str, torch.Tensor], engine: EngineOptions) -> Runner:
         from swiftkv_fast import LLM
+        from swiftkv_fast.config import EngineConfig
 
         kwargs = self.engine_kwargs(engine)
         kwargs["return_logits"] = True  # fp32 logits rows at the sampled positions
-        try:  # fail loudly (not silently drop a knob) if the engine does not know an option
-            import dataclasses
-
-            from swiftkv_fast.config import EngineConfig
-
-            unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(EngineConfig)})
-            if unknown:
-                raise TypeError(f"swiftkv_fast EngineConfig has no {unknown}")
-        except ImportError:
-            pass
+        # fail loudly (not silently drop a knob) if the engine does not know an option
+        unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(EngineConfig)})
+        if unknown:
+            raise TypeError(f"swiftkv_fast EngineConfig has no {unknown}")
         llm = LLM.from_state_dict(config, state_dict, tokenizer=None, **kwargs)
         return _FastRunner(llm, expect_graph_replays=self.expect_graph_replays)
 
@@ -282,10 +278,12 @@ class FastTriton(Fast):
         return kwargs
 
 
-class FastFlash(Fast):
-    name = "fast-flash"
-    backend = "flash_attn"
+class _CudaOnly(Fast):
+    """An implementation that runs only on CUDA with the packages in `requires` installed."""
+
     gpu = True
+    cuda_reason = "needs CUDA"
+    requires: tuple[str, ...] = ()
 
     @classmethod
     def device(cls) -> str:
@@ -294,12 +292,18 @@ class FastFlash(Fast):
     @classmethod
     def available(cls) -> tuple[bool, str]:
         if not _cuda():
-            return False, "flash-attn needs CUDA; no CUDA device here"
-        if importlib.util.find_spec("flash_attn") is None:
-            return False, "flash-attn is not installed"
-        if importlib.util.find_spec("swiftkv_fast.attention.flash_backend") is None:
-            return False, "swiftkv_fast has no flash_attn backend module (attention/flash_backend.py)"
+            return False, f"{cls.cuda_reason}; no CUDA device here"
+        for module in cls.requires:
+            if importlib.util.find_spec(module) is None:
+                return False, f"{module} is not installed"
         return cls._base_available()
+
+
+class FastFlash(_CudaOnly):
+    name = "fast-flash"
+    backend = "flash_attn"
+    cuda_reason = "flash-attn needs CUDA"
+    requires = ("flash_attn",)
 
     @classmethod
     def version(cls) -> str:
@@ -318,21 +322,10 @@ class FastFlash(Fast):
         return None
 
 
-class FastCudaGraph(Fast):
+class FastCudaGraph(_CudaOnly):
     name = "fast-cudagraph"
     backend = "triton"
     enforce_eager = False
     expect_graph_replays = True
-    gpu = True
-
-    @classmethod
-    def device(cls) -> str:
-        return "cuda" if _cuda() else "cuda (absent)"
-
-    @classmethod
-    def available(cls) -> tuple[bool, str]:
-        if not _cuda():
-            return False, "CUDA graphs need CUDA; no CUDA device here"
-        if importlib.util.find_spec("triton") is None:
-            return False, "triton is not installed"
-        return cls._base_available()
+    cuda_reason = "CUDA graphs need CUDA"
+    requires = ("triton",)

@@ -36,14 +36,20 @@ class FakeSecondHalf:
         self.calls = []
 
     def __call__(self, hidden, positions, seq_lens, block_tables):
-        self.calls.append((hidden.shape[0], seq_lens.clone(), [bt.clone() for bt in block_tables],
-                           positions.clone()))
+        self.calls.append(
+            (hidden.shape[0], seq_lens.clone(), [bt.clone() for bt in block_tables], positions.clone())
+        )
         full, sliding = block_tables
-        out = torch.stack([
-            hidden.float().sum(-1), positions.float(), seq_lens.float(),
-            (full.float() * torch.arange(1, full.shape[1] + 1)).sum(-1),
-            (sliding.float() * torch.arange(1, sliding.shape[1] + 1)).sum(-1) * 1000,
-        ], dim=-1)
+        out = torch.stack(
+            [
+                hidden.float().sum(-1),
+                positions.float(),
+                seq_lens.float(),
+                (full.float() * torch.arange(1, full.shape[1] + 1)).sum(-1),
+                (sliding.float() * torch.arange(1, sliding.shape[1] + 1)).sum(-1) * 1000,
+            ],
+            dim=-1,
+        )
         assert out.shape[-1] == V
         return out
 
@@ -51,15 +57,29 @@ class FakeSecondHalf:
 def _inputs(n, width, seed=0, hidden=6):
     """Two kvcache groups (full + sliding window), as in a hybrid model."""
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, hidden, generator=g),
-            torch.randint(0, 100, (n,), generator=g), torch.randint(1, 50, (n,), generator=g).int(),
-            (torch.randint(1, 30, (n, width), generator=g).int(),
-             torch.randint(0, 30, (n, width), generator=g).int()))
+    return (
+        torch.randn(n, hidden, generator=g),
+        torch.randint(0, 100, (n,), generator=g),
+        torch.randint(1, 50, (n,), generator=g).int(),
+        (
+            torch.randint(1, 30, (n, width), generator=g).int(),
+            torch.randint(0, 30, (n, width), generator=g).int(),
+        ),
+    )
 
 
 def _runner(fn, **kw):
-    args = dict(max_num_seqs=12, max_blocks_per_req=4, num_groups=2, hidden_size=6, dtype=torch.float32,
-                device="cpu", emulate=True, num_warmup=1, pad_position=7)
+    args = dict(
+        max_num_seqs=12,
+        max_blocks_per_req=4,
+        num_groups=2,
+        hidden_size=6,
+        dtype=torch.float32,
+        device="cpu",
+        emulate=True,
+        num_warmup=1,
+        pad_position=7,
+    )
     args.update(kw)
     return SecondHalfGraphRunner(fn, **args)
 
@@ -78,7 +98,7 @@ def test_emulated_padding_and_unpadding():
         x = _inputs(n, width, seed=n)
         fn.calls.clear()
         out = r.run(*x)
-        (bs, seq, bts, pos), = fn.calls
+        ((bs, seq, bts, pos),) = fn.calls
         assert bs == bucket_for(n, r.sizes) and out.shape == (n, V)
         torch.testing.assert_close(out, FakeSecondHalf()(*x))  # same as eager on the real rows
         assert (seq[n:] == 0).all() and (pos[n:] == 7).all()
@@ -132,8 +152,15 @@ def test_cuda_capture_and_replay():
         h = h + emb[block_tables[0].long()].sum(1) - emb[block_tables[1].long()].sum(1)
         return h @ w2
 
-    r = SecondHalfGraphRunner(second_half, max_num_seqs=10, max_blocks_per_req=3, num_groups=2,
-                              hidden_size=6, dtype=torch.float32, device=dev)
+    r = SecondHalfGraphRunner(
+        second_half,
+        max_num_seqs=10,
+        max_blocks_per_req=3,
+        num_groups=2,
+        hidden_size=6,
+        dtype=torch.float32,
+        device=dev,
+    )
     r.capture()
     assert r.captured and sorted(r._graphs) == [1, 2, 4, 8, 16]
     for n, width in [(3, 2), (9, 3), (1, 1), (16, 3), (20, 3), (2, 4)]:

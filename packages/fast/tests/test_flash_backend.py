@@ -62,7 +62,10 @@ def test_adapter_argument_mapping(monkeypatch):
     meta = types.SimpleNamespace(
         cu_seqlens_q=torch.tensor([0, 3, 4], dtype=torch.int32),
         seq_lens=torch.tensor([300, 7], dtype=torch.int32),
-        block_tables=torch.tensor([[1, 2], [0, 0]], dtype=torch.int32), max_query_len=3, max_seq_len=300)
+        block_tables=torch.tensor([[1, 2], [0, 0]], dtype=torch.int32),
+        max_query_len=3,
+        max_seq_len=300,
+    )
     q = torch.zeros(4, 6, 32)
     assert be.prefill(q, kc, kc, meta, 100, 0.5).shape == q.shape
     name, kw = calls[-1]
@@ -123,12 +126,14 @@ def test_real_flash_attn_kernels(window):
     seq_lens = torch.tensor([700, 260], dtype=torch.int32, device=dev)
     cu = torch.tensor([0, 40, 41], dtype=torch.int32, device=dev)
     q = torch.randn(41, 6, 64, device=dev, generator=g).to(dt)
-    meta = types.SimpleNamespace(cu_seqlens_q=cu, seq_lens=seq_lens, block_tables=tables,
-                                 max_query_len=40, max_seq_len=700)
+    meta = types.SimpleNamespace(
+        cu_seqlens_q=cu, seq_lens=seq_lens, block_tables=tables, max_query_len=40, max_seq_len=700
+    )
     be = FlashAttnBackend()
     out = be.prefill(q, kc, vc, meta, window, 0.125)
-    torch.testing.assert_close(out.double(), _dense_ref(q, kc, vc, cu, seq_lens, tables, window, 0.125),
-                               atol=2e-2, rtol=0)
+    torch.testing.assert_close(
+        out.double(), _dense_ref(q, kc, vc, cu, seq_lens, tables, window, 0.125), atol=2e-2, rtol=0
+    )
     last = (cu[1:] - 1).long()
     dec = be.decode(q[last], kc, vc, seq_lens, tables, window, 0.125)
     torch.testing.assert_close(dec.double(), out[last].double(), atol=2e-2, rtol=0)

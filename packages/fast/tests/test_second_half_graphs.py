@@ -13,10 +13,22 @@ from swiftkv_fast.worker.cuda_graph_runner import graphs_disabled_reason
 
 FULL, SLIDE = "full_attention", "sliding_attention"
 # two kvcache groups (full + sliding window), AcrossKV, L < N
-HYBRID = dict(model_type="qwen2_swiftkv", num_hidden_layers=5, sliding_window=16, num_key_value_layers=1,
-              key_value_group_size=2, layer_types=[FULL, SLIDE, SLIDE, FULL, FULL])
-ENGINE = dict(block_size=4, max_model_len=128, num_kv_blocks=200, max_num_seqs=6, max_num_batched_tokens=48,
-              return_logits=True)
+HYBRID = dict(
+    model_type="qwen2_swiftkv",
+    num_hidden_layers=5,
+    sliding_window=16,
+    num_key_value_layers=1,
+    key_value_group_size=2,
+    layer_types=[FULL, SLIDE, SLIDE, FULL, FULL],
+)
+ENGINE = dict(
+    block_size=4,
+    max_model_len=128,
+    num_kv_blocks=200,
+    max_num_seqs=6,
+    max_num_batched_tokens=48,
+    return_logits=True,
+)
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
@@ -77,8 +89,13 @@ def test_cpu_and_enforce_eager_are_eager(tiny):
     cfg, state, _ = tiny(**HYBRID)
     llm = LLM.from_state_dict(cfg, state, **ENGINE)  # CPU: always eager
     stats = llm.get_stats()
-    assert set(stats) >= {"cuda_graph_replays", "eager_second_half_steps", "cuda_graph_enabled",
-                          "cuda_graph_capture_s", "num_preemptions"}
+    assert set(stats) >= {
+        "cuda_graph_replays",
+        "eager_second_half_steps",
+        "cuda_graph_enabled",
+        "cuda_graph_capture_s",
+        "num_preemptions",
+    }
     assert not stats["cuda_graph_enabled"]
     _generate(llm, [[5, 6, 7]])
     assert llm.get_stats()["eager_second_half_steps"] == GREEDY.max_tokens
@@ -103,10 +120,13 @@ def test_when_graphs_are_used():
     assert "'torch'" in graphs_disabled_reason(cuda, False, TorchBackend())
 
 
-@pytest.mark.parametrize("make", [
-    lambda: LLM(attention_backend="flash_attn", block_size=16),
-    lambda: LLM.from_state_dict(None, None, attention_backend="flash_attn", block_size=128),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: LLM(attention_backend="flash_attn", block_size=16),
+        lambda: LLM.from_state_dict(None, None, attention_backend="flash_attn", block_size=128),
+    ],
+)
 def test_flash_block_size_is_a_clear_error_at_construction(make):
     with pytest.raises(ValueError, match=r"flash_attn.*multiple of 256.*got (16|128)"):
         make()

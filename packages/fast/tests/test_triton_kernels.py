@@ -51,8 +51,14 @@ def make_case(seed, q_lens, seq_lens, block_size, kv_heads, q_per_kv, head_dim, 
     cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
     sl = torch.tensor(seq_lens, dtype=torch.int32)
     to = dict(device=DEVICE)
-    return (q.to(dtype).to(**to), k_cache.to(dtype).to(**to), v_cache.to(dtype).to(**to),
-            cu.to(**to), sl.to(**to), tables.to(**to))
+    return (
+        q.to(dtype).to(**to),
+        k_cache.to(dtype).to(**to),
+        v_cache.to(dtype).to(**to),
+        cu.to(**to),
+        sl.to(**to),
+        tables.to(**to),
+    )
 
 
 def reference(q, k_cache, v_cache, cu, seq_lens, tables, window, scale):
@@ -97,27 +103,45 @@ PREFILL_LAYOUT = dict(q_lens=[1, 21, 5, 3], seq_lens=[9, 38, 5, 3])
 @pytest.mark.parametrize("q_per_kv", [1, 3])
 @pytest.mark.parametrize("window", [None, 7])
 def test_prefill_fp32(block_size, q_per_kv, window):
-    case = make_case(0, **PREFILL_LAYOUT, block_size=block_size, kv_heads=2, q_per_kv=q_per_kv,
-                     head_dim=32, window=window, dtype=torch.float32)
+    case = make_case(
+        0,
+        **PREFILL_LAYOUT,
+        block_size=block_size,
+        kv_heads=2,
+        q_per_kv=q_per_kv,
+        head_dim=32,
+        window=window,
+        dtype=torch.float32,
+    )
     q, kc, vc, cu, sl, bt = case
     out = paged_prefill(q, kc, vc, cu, sl, bt, max_query_len=21, window=window, scale=0.3)
     check(out, reference(*case, window, 0.3), torch.float32)
 
 
-@pytest.mark.parametrize("dtype,window,head_dim", [(torch.bfloat16, 7, 32), (torch.float16, None, 24),
-                                                   (torch.bfloat16, None, 64)])
+@pytest.mark.parametrize(
+    "dtype,window,head_dim", [(torch.bfloat16, 7, 32), (torch.float16, None, 24), (torch.bfloat16, None, 64)]
+)
 def test_prefill_half(dtype, window, head_dim):
-    case = make_case(1, **PREFILL_LAYOUT, block_size=16, kv_heads=1, q_per_kv=3,
-                     head_dim=head_dim, window=window, dtype=dtype)
+    case = make_case(
+        1,
+        **PREFILL_LAYOUT,
+        block_size=16,
+        kv_heads=1,
+        q_per_kv=3,
+        head_dim=head_dim,
+        window=window,
+        dtype=dtype,
+    )
     q, kc, vc, cu, sl, bt = case
-    out = paged_prefill(q, kc, vc, cu, sl, bt, max_query_len=21, window=window, scale=head_dim ** -0.5)
-    check(out, reference(*case, window, head_dim ** -0.5), dtype)
+    out = paged_prefill(q, kc, vc, cu, sl, bt, max_query_len=21, window=window, scale=head_dim**-0.5)
+    check(out, reference(*case, window, head_dim**-0.5), dtype)
 
 
 def test_prefill_window_longer_than_context_and_empty_request():
     layout = dict(q_lens=[4, 0, 6], seq_lens=[10, 3, 6])
-    case = make_case(2, **layout, block_size=4, kv_heads=2, q_per_kv=2, head_dim=32, window=100,
-                     dtype=torch.float32)
+    case = make_case(
+        2, **layout, block_size=4, kv_heads=2, q_per_kv=2, head_dim=32, window=100, dtype=torch.float32
+    )
     q, kc, vc, cu, sl, bt = case
     out = paged_prefill(q, kc, vc, cu, sl, bt, max_query_len=6, window=100, scale=0.2)
     check(out, reference(*case, 100, 0.2), torch.float32)
@@ -130,8 +154,17 @@ DECODE_SEQ_LENS = [1, 17, 40, 0, 23]
 @pytest.mark.parametrize("q_per_kv", [1, 3])
 @pytest.mark.parametrize("window", [None, 6])
 def test_decode_fp32(block_size, q_per_kv, window, num_splits):
-    case = make_case(3, q_lens=[1] * 5, seq_lens=DECODE_SEQ_LENS, block_size=block_size, kv_heads=2,
-                     q_per_kv=q_per_kv, head_dim=32, window=window, dtype=torch.float32)
+    case = make_case(
+        3,
+        q_lens=[1] * 5,
+        seq_lens=DECODE_SEQ_LENS,
+        block_size=block_size,
+        kv_heads=2,
+        q_per_kv=q_per_kv,
+        head_dim=32,
+        window=window,
+        dtype=torch.float32,
+    )
     q, kc, vc, cu, sl, bt = case
     out = paged_decode(q, kc, vc, sl, bt, window=window, scale=0.3, num_splits=num_splits)
     ref = reference(*case, window, 0.3)
@@ -141,16 +174,34 @@ def test_decode_fp32(block_size, q_per_kv, window, num_splits):
 
 @pytest.mark.parametrize("dtype,window", [(torch.bfloat16, None), (torch.bfloat16, 6), (torch.float16, 30)])
 def test_decode_half(dtype, window):
-    case = make_case(4, q_lens=[1] * 5, seq_lens=DECODE_SEQ_LENS, block_size=16, kv_heads=1, q_per_kv=3,
-                     head_dim=64, window=window, dtype=dtype)
+    case = make_case(
+        4,
+        q_lens=[1] * 5,
+        seq_lens=DECODE_SEQ_LENS,
+        block_size=16,
+        kv_heads=1,
+        q_per_kv=3,
+        head_dim=64,
+        window=window,
+        dtype=dtype,
+    )
     q, kc, vc, cu, sl, bt = case
     out = paged_decode(q, kc, vc, sl, bt, window=window, scale=0.125, num_splits=4)
     check(out, reference(*case, window, 0.125), dtype)
 
 
 def test_decode_default_splits_long_context():
-    case = make_case(5, q_lens=[1, 1], seq_lens=[300, 77], block_size=16, kv_heads=1, q_per_kv=1,
-                     head_dim=16, window=None, dtype=torch.float32)
+    case = make_case(
+        5,
+        q_lens=[1, 1],
+        seq_lens=[300, 77],
+        block_size=16,
+        kv_heads=1,
+        q_per_kv=1,
+        head_dim=16,
+        window=None,
+        dtype=torch.float32,
+    )
     q, kc, vc, cu, sl, bt = case
     out = paged_decode(q, kc, vc, sl, bt, window=None, scale=0.25)
     check(out, reference(*case, None, 0.25), torch.float32)
@@ -186,8 +237,12 @@ def test_write_kv_all_layers_skip_padding(dtype, block_size):
 def test_write_kv_rejects_bad_shapes():
     kv_cache = torch.zeros(2, 2, 4, 4, 1, 16, device=DEVICE)
     with pytest.raises(ValueError, match="k and v"):
-        write_kv(kv_cache, torch.zeros(3, 1, 1, 16, device=DEVICE), torch.zeros(3, 1, 1, 16, device=DEVICE),
-                 torch.zeros(3, dtype=torch.int64, device=DEVICE))
+        write_kv(
+            kv_cache,
+            torch.zeros(3, 1, 1, 16, device=DEVICE),
+            torch.zeros(3, 1, 1, 16, device=DEVICE),
+            torch.zeros(3, dtype=torch.int64, device=DEVICE),
+        )
 
 
 # ---------------------------------------------------------------- the backend
@@ -199,8 +254,17 @@ def test_triton_backend_roundtrip():
 
     be = TritonBackend()
     assert be.name == "triton"
-    case = make_case(7, q_lens=[3, 1, 6], seq_lens=[11, 20, 6], block_size=4, kv_heads=2, q_per_kv=2,
-                     head_dim=32, window=None, dtype=torch.float32)
+    case = make_case(
+        7,
+        q_lens=[3, 1, 6],
+        seq_lens=[11, 20, 6],
+        block_size=4,
+        kv_heads=2,
+        q_per_kv=2,
+        head_dim=32,
+        window=None,
+        dtype=torch.float32,
+    )
     q, kc, vc, cu, sl, bt = case
     kc, vc = kc.nan_to_num(0.0), vc.nan_to_num(0.0)
     kv_cache = torch.stack([kc, vc])[None].repeat(2, 1, 1, 1, 1, 1)  # 2 layers
@@ -235,19 +299,31 @@ def test_triton_backend_strided_views():
     from swiftkv_fast.attention.triton_backend import TritonBackend
 
     be = TritonBackend()
-    q, kc, vc, cu, sl, bt = make_case(5, q_lens=[3, 1, 6], seq_lens=[11, 20, 6], block_size=4, kv_heads=2,
-                                      q_per_kv=2, head_dim=32, window=None, dtype=torch.float32)
+    q, kc, vc, cu, sl, bt = make_case(
+        5,
+        q_lens=[3, 1, 6],
+        seq_lens=[11, 20, 6],
+        block_size=4,
+        kv_heads=2,
+        q_per_kv=2,
+        head_dim=32,
+        window=None,
+        dtype=torch.float32,
+    )
     kc, vc = kc.nan_to_num(0.0), vc.nan_to_num(0.0)
     g = torch.Generator().manual_seed(9)
     qk = torch.cat([q, torch.randn(q.shape[0], 2, 32, generator=g).to(DEVICE)], dim=1)  # (T, nh + kvh, hd)
     q_view = qk[:, :4]
     assert not q_view.is_contiguous()
     meta = SimpleNamespace(cu_seqlens_q=cu, seq_lens=sl, block_tables=bt, max_query_len=6, max_seq_len=20)
-    assert torch.equal(be.prefill(q_view, kc, vc, meta, 8, 0.2), be.prefill(q_view.contiguous(), kc, vc,
-                                                                             meta, 8, 0.2))
+    assert torch.equal(
+        be.prefill(q_view, kc, vc, meta, 8, 0.2), be.prefill(q_view.contiguous(), kc, vc, meta, 8, 0.2)
+    )
     last = (cu[1:] - 1).long()
-    assert torch.equal(be.decode(q_view[last], kc, vc, sl, bt, None, 0.2),
-                       be.decode(q[last].contiguous(), kc, vc, sl, bt, None, 0.2))
+    assert torch.equal(
+        be.decode(q_view[last], kc, vc, sl, bt, None, 0.2),
+        be.decode(q[last].contiguous(), kc, vc, sl, bt, None, 0.2),
+    )
     # write_kv: (T, 3 layers, kvh, hd) K/V, layers 1..2 written into a 2-layer cache slice
     T = 10
     kv = torch.randn(T, 2, 3, 2, 32, generator=g).to(DEVICE)

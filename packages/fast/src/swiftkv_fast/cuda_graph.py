@@ -135,8 +135,12 @@ class SecondHalfGraphRunner:
         return self._captured
 
     def _static_args(self, bs: int) -> tuple[torch.Tensor, ...]:
-        return (self.hidden[:bs], self.positions[:bs], self.seq_lens[:bs],
-                tuple(bt[:bs] for bt in self.block_tables))
+        return (
+            self.hidden[:bs],
+            self.positions[:bs],
+            self.seq_lens[:bs],
+            tuple(bt[:bs] for bt in self.block_tables),
+        )
 
     @torch.no_grad()
     def capture(self) -> None:

@@ -107,18 +107,29 @@ class FlashAttnBackend(AttentionBackend):
         cu_seqlens_k = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
         cu_seqlens_k[1:] = seq_lens.cumsum(0, dtype=torch.int32)
         return self._varlen(
-            q, k_cache, v_cache,
-            cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-            max_seqlen_q=int(meta.max_query_len), max_seqlen_k=int(meta.max_seq_len),
-            softmax_scale=scale, causal=True, window_size=_window_size(window),
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens_q=meta.cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=int(meta.max_query_len),
+            max_seqlen_k=int(meta.max_seq_len),
+            softmax_scale=scale,
+            causal=True,
+            window_size=_window_size(window),
             block_table=meta.block_tables,
         )
 
     def decode(self, q, k_cache, v_cache, seq_lens, block_tables, window, scale) -> torch.Tensor:
         validate_block_size(int(k_cache.shape[1]))
         out = self._with_kvcache(
-            q.unsqueeze(1), k_cache, v_cache,
-            cache_seqlens=seq_lens, block_table=block_tables,
-            softmax_scale=scale, causal=True, window_size=_window_size(window),
+            q.unsqueeze(1),
+            k_cache,
+            v_cache,
+            cache_seqlens=seq_lens,
+            block_table=block_tables,
+            softmax_scale=scale,
+            causal=True,
+            window_size=_window_size(window),
         )
         return out.squeeze(1)

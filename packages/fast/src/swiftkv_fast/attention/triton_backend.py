@@ -35,10 +35,18 @@ class TritonBackend(AttentionBackend):
 
     def prefill(self, q, k_cache, v_cache, meta, window, scale) -> torch.Tensor:
         return self._prefill(
-            q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-            int(meta.max_query_len), window, scale,
+            q,
+            k_cache,
+            v_cache,
+            meta.cu_seqlens_q,
+            meta.seq_lens,
+            meta.block_tables,
+            int(meta.max_query_len),
+            window,
+            scale,
         )
 
     def decode(self, q, k_cache, v_cache, seq_lens, block_tables, window, scale) -> torch.Tensor:
-        return self._decode(q, k_cache, v_cache, seq_lens, block_tables, window, scale,
-                            num_splits=self.num_splits)
+        return self._decode(
+            q, k_cache, v_cache, seq_lens, block_tables, window, scale, num_splits=self.num_splits
+        )

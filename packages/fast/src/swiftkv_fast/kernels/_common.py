@@ -47,8 +47,12 @@ def check_device(t: torch.Tensor, interpreted: bool) -> None:
     """Triton decides at kernel-definition (import) time whether it interprets: fail clearly when a
     kernel module imported for the GPU is handed CPU tensors, or the reverse."""
     if interpreted and t.is_cuda:
-        raise RuntimeError("swiftkv_fast.kernels were imported with TRITON_INTERPRET=1: they run on CPU "
-                           "tensors only in this process")
+        raise RuntimeError(
+            "swiftkv_fast.kernels were imported with TRITON_INTERPRET=1: they run on CPU "
+            "tensors only in this process"
+        )
     if not interpreted and not t.is_cuda:
-        raise RuntimeError("swiftkv_fast.kernels need CUDA tensors; on CPU set TRITON_INTERPRET=1 before "
-                           "the kernels are first imported (Triton's interpreter, for tests)")
+        raise RuntimeError(
+            "swiftkv_fast.kernels need CUDA tensors; on CPU set TRITON_INTERPRET=1 before "
+            "the kernels are first imported (Triton's interpreter, for tests)"
+        )

@@ -28,15 +28,42 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr, seq_lens_ptr, bt_ptr,
-    stride_qr, stride_qh, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_or, stride_oh, stride_od,
-    stride_btr, stride_btb,
-    scale_log2, window, max_blocks, page_size, head_dim, q_per_kv, num_heads,
-    HAS_WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    seq_lens_ptr,
+    bt_ptr,
+    stride_qr,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_or,
+    stride_oh,
+    stride_od,
+    stride_btr,
+    stride_btb,
+    scale_log2,
+    window,
+    max_blocks,
+    page_size,
+    head_dim,
+    q_per_kv,
+    num_heads,
+    HAS_WINDOW: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     r = tl.program_id(0)
@@ -61,7 +88,8 @@ def _paged_decode_kernel(
 
     q = tl.load(
         q_ptr + r.to(tl.int64) * stride_qr + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-        mask=h_mask[:, None] & d_mask[None, :], other=0.0,
+        mask=h_mask[:, None] & d_mask[None, :],
+        other=0.0,
     ).to(tl.float32)
 
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
@@ -77,10 +105,16 @@ def _paged_decode_kernel(
         in_blk = n % page_size
         k_base = bid.to(tl.int64) * stride_kb + in_blk * stride_ks + kvh * stride_kh
         v_base = bid.to(tl.int64) * stride_vb + in_blk * stride_vs + kvh * stride_vh
-        kt = tl.load(k_ptr + k_base[None, :] + offs_d[:, None] * stride_kd,
-                     mask=kv_mask[None, :] & d_mask[:, None], other=0.0).to(tl.float32)
-        vv = tl.load(v_ptr + v_base[:, None] + offs_d[None, :] * stride_vd,
-                     mask=kv_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+        kt = tl.load(
+            k_ptr + k_base[None, :] + offs_d[:, None] * stride_kd,
+            mask=kv_mask[None, :] & d_mask[:, None],
+            other=0.0,
+        ).to(tl.float32)
+        vv = tl.load(
+            v_ptr + v_base[:, None] + offs_d[None, :] * stride_vd,
+            mask=kv_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)
 
         s = tl.dot(q, kt, input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(kv_mask[None, :], s, float("-inf"))
@@ -107,10 +141,17 @@ def _paged_decode_kernel(
 
 @triton.jit
 def _reduce_splits_kernel(
-    o_ptr, part_o_ptr, part_lse_ptr,
-    stride_or, stride_oh, stride_od,
-    num_heads, head_dim,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    o_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    stride_or,
+    stride_oh,
+    stride_od,
+    num_heads,
+    head_dim,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -123,13 +164,19 @@ def _reduce_splits_kernel(
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.where(s_mask & (lse > float("-inf")), tl.exp2(lse - m), 0.0)
-    po = tl.load(part_o_ptr + row[:, None] * head_dim + offs_d[None, :],
-                 mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    po = tl.load(
+        part_o_ptr + row[:, None] * head_dim + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     po = tl.where(w[:, None] > 0, po, 0.0)
     total = tl.sum(w, 0)
     out = tl.sum(po * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(o_ptr + r.to(tl.int64) * stride_or + h * stride_oh + offs_d * stride_od,
-             out.to(o_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(
+        o_ptr + r.to(tl.int64) * stride_or + h * stride_oh + offs_d * stride_od,
+        out.to(o_ptr.dtype.element_ty),
+        mask=d_mask,
+    )
 
 
 def default_num_splits(num_reqs: int, kv_heads: int, max_context: int, block_n: int) -> int:
@@ -184,19 +231,46 @@ def paged_decode(
     else:
         part_o = part_lse = out  # unused
     _paged_decode_kernel[(num_reqs, kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_o, part_lse, seq_lens, block_tables,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *block_tables.stride(),
-        float(scale) * _LOG2E, int(window) if window is not None else 0,
-        block_tables.shape[1], block_size, head_dim, q_per_kv, num_heads,
-        HAS_WINDOW=window is not None, NUM_SPLITS=num_splits,
-        BLOCK_H=max(16, next_pow2(q_per_kv)), BLOCK_N=block_n, BLOCK_D=block_d,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        part_o,
+        part_lse,
+        seq_lens,
+        block_tables,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *out.stride(),
+        *block_tables.stride(),
+        float(scale) * _LOG2E,
+        int(window) if window is not None else 0,
+        block_tables.shape[1],
+        block_size,
+        head_dim,
+        q_per_kv,
+        num_heads,
+        HAS_WINDOW=window is not None,
+        NUM_SPLITS=num_splits,
+        BLOCK_H=max(16, next_pow2(q_per_kv)),
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
         DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=warps, num_stages=stages,
+        num_warps=warps,
+        num_stages=stages,
     )
     if num_splits > 1:
         _reduce_splits_kernel[(num_reqs, num_heads)](
-            out, part_o, part_lse, *out.stride(), num_heads, head_dim,
-            NUM_SPLITS=num_splits, BLOCK_S=max(2, next_pow2(num_splits)), BLOCK_D=block_d,
+            out,
+            part_o,
+            part_lse,
+            *out.stride(),
+            num_heads,
+            head_dim,
+            NUM_SPLITS=num_splits,
+            BLOCK_S=max(2, next_pow2(num_splits)),
+            BLOCK_D=block_d,
             num_warps=1 if _INTERPRETED else 4,
         )
     return out

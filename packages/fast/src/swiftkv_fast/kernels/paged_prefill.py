@@ -22,15 +22,39 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _paged_prefill_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr,
-    stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_ot, stride_oh, stride_od,
-    stride_btr, stride_btb,
-    scale_log2, window, max_blocks, page_size, head_dim, q_per_kv,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    cu_q_ptr,
+    seq_lens_ptr,
+    bt_ptr,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_btr,
+    stride_btb,
+    scale_log2,
+    window,
+    max_blocks,
+    page_size,
+    head_dim,
+    q_per_kv,
     HAS_WINDOW: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -54,7 +78,8 @@ def _paged_prefill_kernel(
     q_rows = (q_start + m_start + offs_m).to(tl.int64)
     q = tl.load(
         q_ptr + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :] * stride_qd,
-        mask=row_valid[:, None] & d_mask[None, :], other=0.0,
+        mask=row_valid[:, None] & d_mask[None, :],
+        other=0.0,
     ).to(tl.float32)
 
     # Keys this tile can see: [lo, hi). Keys before lo are outside every row's
@@ -82,8 +107,11 @@ def _paged_prefill_kernel(
         ld_mask = kv_mask[None, :] & d_mask[:, None]
         kt = tl.load(k_ptr + k_base[None, :] + offs_d[:, None] * stride_kd, mask=ld_mask, other=0.0)
         kt = kt.to(tl.float32)  # (BLOCK_D, BLOCK_N)
-        vv = tl.load(v_ptr + v_base[:, None] + offs_d[None, :] * stride_vd,
-                     mask=kv_mask[:, None] & d_mask[None, :], other=0.0)
+        vv = tl.load(
+            v_ptr + v_base[:, None] + offs_d[None, :] * stride_vd,
+            mask=kv_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
         vv = vv.to(tl.float32)  # (BLOCK_N, BLOCK_D)
 
         s = tl.dot(q, kt, input_precision=DOT_PRECISION) * scale_log2
@@ -144,14 +172,31 @@ def paged_prefill(
     block_d = max(16, next_pow2(head_dim))
     grid = (triton.cdiv(int(max_query_len), block_m), num_reqs, num_heads)
     _paged_prefill_kernel[grid](
-        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *block_tables.stride(),
-        float(scale) * _LOG2E, int(window) if window is not None else 0,
-        block_tables.shape[1], block_size, head_dim, num_heads // kv_heads,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        cu_seqlens_q,
+        seq_lens,
+        block_tables,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *out.stride(),
+        *block_tables.stride(),
+        float(scale) * _LOG2E,
+        int(window) if window is not None else 0,
+        block_tables.shape[1],
+        block_size,
+        head_dim,
+        num_heads // kv_heads,
         HAS_WINDOW=window is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
         DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=warps, num_stages=stages,
+        num_warps=warps,
+        num_stages=stages,
     )
     return out
 

@@ -13,12 +13,29 @@ _INTERPRETED = interpreting()  # fixed when the kernel below is defined
 
 @triton.jit
 def _write_kv_kernel(
-    cache_ptr, k_ptr, v_ptr, slot_ptr,
-    stride_cl, stride_ckv, stride_cb, stride_cs, stride_ch, stride_cd,
-    stride_kt, stride_kl, stride_kh, stride_kd,
-    stride_vt, stride_vl, stride_vh, stride_vd,
-    block_size, num_heads, head_dim,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    cache_ptr,
+    k_ptr,
+    v_ptr,
+    slot_ptr,
+    stride_cl,
+    stride_ckv,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_cd,
+    stride_kt,
+    stride_kl,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vl,
+    stride_vh,
+    stride_vd,
+    block_size,
+    num_heads,
+    head_dim,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0)
     layer = tl.program_id(1)
@@ -33,15 +50,31 @@ def _write_kv_kernel(
     heads = tl.where(valid, num_heads, 0)  # a skipped slot masks every lane
     mask = (offs_h[:, None] < heads) & (offs_d[None, :] < head_dim)
 
-    src_k = k_ptr + t.to(tl.int64) * stride_kt + layer * stride_kl \
-        + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd
-    src_v = v_ptr + t.to(tl.int64) * stride_vt + layer * stride_vl \
-        + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd
+    src_k = (
+        k_ptr
+        + t.to(tl.int64) * stride_kt
+        + layer * stride_kl
+        + offs_h[:, None] * stride_kh
+        + offs_d[None, :] * stride_kd
+    )
+    src_v = (
+        v_ptr
+        + t.to(tl.int64) * stride_vt
+        + layer * stride_vl
+        + offs_h[:, None] * stride_vh
+        + offs_d[None, :] * stride_vd
+    )
     kk = tl.load(src_k, mask=mask, other=0.0)
     vv = tl.load(src_v, mask=mask, other=0.0)
 
-    dst = cache_ptr + layer.to(tl.int64) * stride_cl + blk * stride_cb + off * stride_cs \
-        + offs_h[:, None] * stride_ch + offs_d[None, :] * stride_cd
+    dst = (
+        cache_ptr
+        + layer.to(tl.int64) * stride_cl
+        + blk * stride_cb
+        + off * stride_cs
+        + offs_h[:, None] * stride_ch
+        + offs_d[None, :] * stride_cd
+    )
     tl.store(dst, kk.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + stride_ckv, vv.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -54,8 +87,10 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     slot_mapping: (num_tokens,) integer; slot = block_id * block_size + offset; -1 = skip.
     """
     if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
-        raise ValueError(f"kv_cache must be (n_layers, 2, num_blocks, block_size, kv_heads, head_dim), "
-                         f"got {tuple(kv_cache.shape)}")
+        raise ValueError(
+            f"kv_cache must be (n_layers, 2, num_blocks, block_size, kv_heads, head_dim), "
+            f"got {tuple(kv_cache.shape)}"
+        )
     n_layers, _, _, block_size, kv_heads, head_dim = kv_cache.shape
     num_tokens = k.shape[0]
     expect = (num_tokens, n_layers, kv_heads, head_dim)
@@ -67,10 +102,17 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
         return
     check_device(kv_cache, _INTERPRETED)
     _write_kv_kernel[(num_tokens, n_layers)](
-        kv_cache, k, v, slot_mapping,
+        kv_cache,
+        k,
+        v,
+        slot_mapping,
         *kv_cache.stride(),
-        *k.stride(), *v.stride(),
-        block_size, kv_heads, head_dim,
-        BLOCK_H=max(2, next_pow2(kv_heads)), BLOCK_D=max(16, next_pow2(head_dim)),
+        *k.stride(),
+        *v.stride(),
+        block_size,
+        kv_heads,
+        head_dim,
+        BLOCK_H=max(2, next_pow2(kv_heads)),
+        BLOCK_D=max(16, next_pow2(head_dim)),
         num_warps=1 if kv_heads * head_dim <= 256 else 4,
     )

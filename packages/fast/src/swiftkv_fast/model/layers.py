@@ -1,9 +1,38 @@
-"""Small functional layers: RMSNorm, RoPE (cos/sin table), SiLU-and-mul."""
+"""Small layers: Linear (weight stored in the layout the device's GEMM is fastest with), RMSNorm, RoPE
+(cos/sin table), SiLU-and-mul."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+class Linear:
+    """y = x W^T + b for a checkpoint weight W (out_features, in_features).
+
+    On CPU the weight is kept transposed, (in_features, out_features) contiguous: MKL's sgemm over a few
+    rows (decode-shaped batches) is 1.2-3x faster without the transpose flag, and as fast for thousands
+    of rows (prefill). Other devices keep W as it is (cuBLAS's preferred layout).
+    """
+
+    __slots__ = ("weight", "bias", "transposed")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.transposed = weight.device.type == "cpu"
+        self.weight = weight.t().contiguous() if self.transposed else weight
+        self.bias = bias
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[1] if self.transposed else self.weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (T, in_features) -> (T, out_features)
+        if not self.transposed:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is None:
+            return torch.mm(x, self.weight)
+        return torch.addmm(self.bias, x, self.weight)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from swiftkv_fast.logger import init_logger
+from swiftkv_fast.model.layers import Linear
 from swiftkv_fast.model.swiftkv_model import LayerWeights, ModelWeights
 
 logger = init_logger(__name__)
@@ -98,16 +99,16 @@ def build_weights(
             bias = cat_opt([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"])
         else:
             qkv, bias = t(a + "q_proj_swiftkv.weight"), opt(a + "q_proj_swiftkv.bias")
+        qkv = Linear(qkv, bias)
         c = config.cache_layer(i)
         layers.append(
             LayerWeights(
                 input_norm=t(p + "input_layernorm.weight"),
                 post_norm=t(p + "post_attention_layernorm.weight"),
                 qkv=qkv,
-                qkv_bias=bias,
-                o=t(a + "o_proj.weight"),
-                gate_up=cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-                down=t(p + "mlp.down_proj.weight"),
+                o=Linear(t(a + "o_proj.weight")),
+                gate_up=Linear(cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])),
+                down=Linear(t(p + "mlp.down_proj.weight")),
                 window=config.window(i),
                 cache_layer=c,
                 group=group_of_cache_layer[c],
@@ -120,6 +121,5 @@ def build_weights(
         leaders = list(range(L, n, config.key_value_group_size))
         names = [f"model.layers.{g}.self_attn.{kind}_proj_swiftkv." for kind in ("k", "v") for g in leaders]
         weights.norm_swiftkv = t("model.norm_swiftkv.weight")
-        weights.kv_swiftkv = cat([x + "weight" for x in names])
-        weights.kv_swiftkv_bias = cat_opt([x + "bias" for x in names])
+        weights.kv_swiftkv = Linear(cat([x + "weight" for x in names]), cat_opt([x + "bias" for x in names]))
     return weights

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from swiftkv_fast.attention.base import AttentionBackend
-from swiftkv_fast.model.layers import RotaryTable, apply_rope, rms_norm, silu_and_mul
+from swiftkv_fast.model.layers import Linear, RotaryTable, apply_rope, rms_norm, silu_and_mul
 from swiftkv_fast.worker.input_batch import ModelInput
 
 
@@ -27,11 +27,10 @@ from swiftkv_fast.worker.input_batch import ModelInput
 class LayerWeights:
     input_norm: torch.Tensor  # (hidden,)
     post_norm: torch.Tensor  # (hidden,)
-    qkv: torch.Tensor  # (q + 2 kv, hidden) for layers < L; (q, hidden) q_proj_swiftkv for layers >= L
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # (hidden, q)
-    gate_up: torch.Tensor  # (2 * intermediate, hidden)
-    down: torch.Tensor  # (hidden, intermediate)
+    qkv: Linear  # hidden -> q + 2 kv for layers < L; hidden -> q (q_proj_swiftkv) for layers >= L
+    o: Linear  # q -> hidden
+    gate_up: Linear  # hidden -> 2 * intermediate
+    down: Linear  # intermediate -> hidden
     window: int | None
     cache_layer: int
     group: int  # kvcache group (attention type) of its cache layer
@@ -44,10 +43,7 @@ class ModelWeights:
     lm_head: torch.Tensor  # (vocab, hidden)
     layers: list[LayerWeights]
     norm_swiftkv: torch.Tensor | None = None  # (hidden,)
-    kv_swiftkv: torch.Tensor | None = (
-        None  # (2 * n_leaders * kv_heads * head_dim, hidden): [K of all; V of all]
-    )
-    kv_swiftkv_bias: torch.Tensor | None = None
+    kv_swiftkv: Linear | None = None  # hidden -> 2 * n_leaders * kv_heads * head_dim: [K of all; V of all]
 
 
 class SwiftKVModel:
@@ -83,7 +79,7 @@ class SwiftKVModel:
 
     def _mlp(self, h: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
         x = rms_norm(h, lw.post_norm, self.eps)
-        return h.add_(F.linear(silu_and_mul(F.linear(x, lw.gate_up)), lw.down))
+        return h.add_(lw.down(silu_and_mul(lw.gate_up(x))))
 
     @torch.inference_mode()
     def first_half(self, inp: ModelInput, kv_cache: torch.Tensor) -> torch.Tensor | None:
@@ -96,7 +92,7 @@ class SwiftKVModel:
         for lw in self.w.layers[: self.L]:
             grp = inp.groups[lw.group]
             x = rms_norm(h, lw.input_norm, self.eps)
-            qkv = F.linear(x, lw.qkv, lw.qkv_bias)  # (T, (nh + 2 kvh) hd)
+            qkv = lw.qkv(x)  # (T, (nh + 2 kvh) hd)
             # RoPE on q and k in one pass: (T, nh + kvh, hd)
             qk = apply_rope(qkv[:, : (nh + kvh) * hd].view(-1, nh + kvh, hd), cos, sin)
             q, k = qk[:, :nh], qk[:, nh:]
@@ -104,11 +100,11 @@ class SwiftKVModel:
             c = lw.cache_layer
             self.backend.write_kv(kv_cache[c : c + 1], k[:, None], v.view(-1, 1, kvh, hd), grp.slot_mapping)
             o = self.backend.prefill(q, kv_cache[c, 0], kv_cache[c, 1], grp.meta, lw.window, self.scale)
-            h = h.add_(F.linear(o.flatten(1), lw.o))
+            h = h.add_(lw.o(o.flatten(1)))
             h = self._mlp(h, lw)
         if self.w.kv_swiftkv is not None:
             s = rms_norm(h, self.w.norm_swiftkv, self.eps)
-            kv = F.linear(s, self.w.kv_swiftkv, self.w.kv_swiftkv_bias).view(s.shape[0], 2, -1, kvh, hd)
+            kv = self.w.kv_swiftkv(s).view(s.shape[0], 2, -1, kvh, hd)
             n_sk = kv.shape[2]  # (T, 2, n_swiftkv_cache_layers, kvh, hd)
             k = apply_rope(kv[:, 0].reshape(-1, n_sk * kvh, hd), cos, sin).view(-1, n_sk, kvh, hd)
             v = kv[:, 1]
@@ -141,7 +137,7 @@ class SwiftKVModel:
         cos, sin = self.rotary.lookup(positions)
         for lw in self.w.layers[self.L :]:
             x = rms_norm(h, lw.input_norm, self.eps)
-            q = apply_rope(F.linear(x, lw.qkv, lw.qkv_bias).view(-1, nh, hd), cos, sin)
+            q = apply_rope(lw.qkv(x).view(-1, nh, hd), cos, sin)
             c = lw.cache_layer
             o = self.backend.decode(
                 q,
@@ -152,7 +148,7 @@ class SwiftKVModel:
                 lw.window,
                 self.scale,
             )
-            h = h + F.linear(o.flatten(1), lw.o)
+            h = h + lw.o(o.flatten(1))
             h = self._mlp(h, lw)
         h = rms_norm(h, self.w.norm, self.eps)
         return F.linear(h, self.w.lm_head).float()  # (S, vocab)
@@ -162,5 +158,6 @@ class SwiftKVModel:
         h = self.first_half(inp, kv_cache)
         if h is None:
             return None
-        return self.second_half(h, inp.sampled_positions, inp.sampled_seq_lens,
-                                inp.sampled_block_tables, kv_cache)
+        return self.second_half(
+            h, inp.sampled_positions, inp.sampled_seq_lens, inp.sampled_block_tables, kv_cache
+        )

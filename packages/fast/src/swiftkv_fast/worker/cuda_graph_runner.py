@@ -84,8 +84,14 @@ class SecondHalfGraphs:
         if not self.runner.enabled or self.runner.captured:
             return
         r = self.runner
-        logger.info("second half: capturing CUDA graphs for batch sizes %s (block tables of %d blocks, "
-                    "%d group(s))%s", r.sizes, r.max_blocks, r.num_groups, " [emulated]" if r.emulate else "")
+        logger.info(
+            "second half: capturing CUDA graphs for batch sizes %s (block tables of %d blocks, "
+            "%d group(s))%s",
+            r.sizes,
+            r.max_blocks,
+            r.num_groups,
+            " [emulated]" if r.emulate else "",
+        )
         try:
             r.capture()
         except Exception as e:  # keep serving, eagerly; get_stats() shows cuda_graph_enabled=False

@@ -1,8 +1,11 @@
 """Batched sampling that reproduces the reference algorithm token for token (docs/interfaces.md).
 
-Per row: logprobs = log_softmax(logits); greedy = argmax; else x = logits / T, top-k, top-p
-(stable descending sort, keep while cum - p < top_p), probs = softmax(x), token = argmax(probs / q)
-with q ~ Exp(1) drawn from the request's own CPU generator (one draw of vocab_size values per token).
+Per row: logprobs = log_softmax(logits) of the raw logits; then the row's banned ids (min_tokens: its
+EOS and stop token ids while it has fewer than min_tokens outputs) are set to -inf; greedy = argmax;
+else x = logits / T, top-k, top-p (stable descending sort, keep while cum - p < top_p),
+probs = softmax(x), token = argmax(probs / q) with q ~ Exp(1) drawn from the request's own CPU
+generator (one draw of vocab_size values per token). With nothing banned this is the reference's
+algorithm exactly; the reported logprobs never see the mask (vLLM's raw logprobs).
 """
 
 from __future__ import annotations
@@ -38,12 +41,33 @@ def _apply_top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return x.masked_fill(drop, float("-inf"))
 
 
+def _mask_banned(logits: torch.Tensor, banned: list[list[int]] | None) -> torch.Tensor:
+    """`logits` with `banned[i]` set to -inf in row i (one index_put on a copy); the input is untouched.
+    Ids outside the vocabulary are ignored (they cannot be sampled anyway)."""
+    if not banned or not any(banned):
+        return logits
+    vocab = logits.shape[-1]
+    pairs = [(i, t) for i, ids in enumerate(banned) for t in ids if 0 <= t < vocab]
+    if not pairs:
+        return logits
+    rows, cols = torch.tensor(pairs).unbind(1)
+    return logits.index_put((rows, cols), torch.tensor(float("-inf"), dtype=logits.dtype))
+
+
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    banned: list[list[int]] | None = None,
 ) -> SamplerOutput:
-    """logits: (B, vocab) fp32 rows on CPU; generators[i] is required for non-greedy rows."""
+    """logits: (B, vocab) fp32 rows on CPU; generators[i] is required for non-greedy rows.
+
+    banned[i] (optional): token ids row i must not produce (see `engine.stop.min_tokens_banned_ids`);
+    their logits are -inf for the choice (greedy, top-k, top-p and the exponential race all see the
+    masked row), while the returned logprobs stay log_softmax of the raw logits."""
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
+    logits = _mask_banned(logits, banned)
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:

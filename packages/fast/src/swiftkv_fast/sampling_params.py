@@ -12,7 +12,9 @@ class SamplingParams:
     top_k: int = -1  # -1 or 0: off
     seed: int | None = None  # per-request generator seed; None: drawn from the engine's seed
     max_tokens: int = 16
-    min_tokens: int = 0  # EOS and stop tokens/strings are ignored before this many tokens
+    # before this many outputs, EOS (unless ignore_eos) and stop_token_ids are never sampled (their
+    # logits are masked to -inf, as vLLM) and stop strings do not stop the request
+    min_tokens: int = 0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False

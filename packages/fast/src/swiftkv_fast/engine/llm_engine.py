@@ -66,7 +66,15 @@ class LLMEngine:
             max_model_len=econf.max_model_len,
             enable_caching=econf.enable_prefix_caching,
         )
-        self.runner = ModelRunner(config, weights, econf, num_blocks, group_of_cache_layer, len(specs))
+        self.runner = ModelRunner(
+            config,
+            weights,
+            econf,
+            num_blocks,
+            group_of_cache_layer,
+            len(specs),
+            eos_token_ids=config.eos_token_id,
+        )
         self.scheduler = Scheduler(
             self.kv_manager,
             econf.max_num_seqs,

@@ -2,7 +2,8 @@
 
 The first half (layers < L, K/V of every layer written) runs eagerly; the second half goes through
 SecondHalfGraphs (worker/cuda_graph_runner.py): a CUDA graph replay on CUDA with a capturable backend
-unless enforce_eager, else eager."""
+unless enforce_eager, else eager. Sampling masks each request's EOS (`eos_token_ids`, unless
+ignore_eos) and stop token ids while it has fewer than min_tokens outputs (engine/stop.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from swiftkv_fast.attention import get_attention_backend
 from swiftkv_fast.config import EngineConfig
 from swiftkv_fast.engine.scheduler import SchedulerOutput
+from swiftkv_fast.engine.stop import min_tokens_banned_ids
 from swiftkv_fast.model.layers import RotaryTable
 from swiftkv_fast.model.swiftkv_model import ModelWeights, SwiftKVModel
 from swiftkv_fast.sampler import sample
@@ -38,10 +40,12 @@ class ModelRunner:
         num_blocks: int,
         group_of_cache_layer: list[int],
         num_groups: int,
+        eos_token_ids: list[int] | None = None,
     ):
         from swiftkv_reference.rope import rope_inv_freq
 
         self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids or ())  # masked before min_tokens (unless ignore_eos)
         self.device = torch.device(econf.device)
         self.block_size = econf.block_size
         self.num_groups = num_groups
@@ -98,5 +102,7 @@ class ModelRunner:
             return ModelRunnerOutput([], [], empty, empty)
         logits = self.graphs.run(h, inp.sampled_positions, inp.sampled_seq_lens, inp.sampled_block_tables)
         logits = logits.cpu()  # on CUDA a copy: a replay's output buffer is reused by the next step
-        result = sample(logits, [r.sampling_params for r in sampled], [r.generator for r in sampled])
+        # the token sampled now is output number r.num_output_tokens (outputs are appended afterwards)
+        banned = [min_tokens_banned_ids(r, self.eos_token_ids) for r in sampled]
+        result = sample(logits, [r.sampling_params for r in sampled], [r.generator for r in sampled], banned)
         return ModelRunnerOutput([r.request_id for r in sampled], result.token_ids, result.logprobs, logits)

@@ -99,7 +99,8 @@ def run_batch(llm, prompts: list[list[int]], max_tokens: int, use_tqdm: bool = F
 
 
 def kv_cache_tensor(llm) -> torch.Tensor:
-    """The engine's paged KV cache: (num_cache_layers, 2, num_blocks, block_size, kv_heads, head_dim)."""
+    """The engine's paged KV cache: (num_kv_slots, 2, num_blocks, block_size, kv_heads, head_dim);
+    num_kv_slots == num_cache_layers unless the model is hybrid (its kvcache groups share slots)."""
     return llm.llm_engine.runner.kv_cache
 
 

@@ -53,6 +53,7 @@ class LLMEngine:
             econf.num_kv_blocks,
             econf.kv_cache_memory,
             max_blocks_useful=1 + econf.max_num_seqs * per_request,
+            group_of_cache_layer=group_of_cache_layer,
         )
         if num_blocks - 1 < per_request:
             raise ValueError(
@@ -96,7 +97,15 @@ class LLMEngine:
             self.runner.backend.name,
             len(specs),
         )
-        log_kv_cache(config, num_blocks, econf.block_size, econf.dtype, econf.max_model_len, per_request)
+        log_kv_cache(
+            config,
+            num_blocks,
+            econf.block_size,
+            econf.dtype,
+            econf.max_model_len,
+            per_request,
+            group_of_cache_layer,
+        )
 
     def detokenize(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:

@@ -8,7 +8,9 @@
 function of static-shaped inputs only (hidden, positions, seq_lens, one block table per kvcache
 group), which is what a CUDA graph captures (worker/cuda_graph_runner.py). L == N is the plain model
 (the second half is then the final norm and lm_head). Weights are fused at load (model/loader.py):
-qkv, gate_up, and the k/v_proj_swiftkv of all group leaders in one matrix.
+qkv, gate_up, and the k/v_proj_swiftkv of all group leaders in one matrix. Cache layer c lives in
+physical KV slot `self.kv_slot[c]` of the engine's tensor (worker/kv_cache.py `kv_slots`: the i-th
+cache layer of each kvcache group is slot i; a hybrid model's groups share slots, never block ids).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from swiftkv_fast.attention.base import AttentionBackend
 from swiftkv_fast.model.layers import Linear, RotaryTable, apply_rope, rms_norm, silu_and_mul
 from swiftkv_fast.worker.input_batch import ModelInput
+from swiftkv_fast.worker.kv_cache import kv_slots
 
 
 @dataclass
@@ -67,15 +70,19 @@ class SwiftKVModel:
         self.rotary = rotary
         self.backend = backend
         self.scale = head_dim**-0.5
-        # contiguous runs [a, b) of second-half cache layers in one group: one write_kv each
+        # physical KV slot of every cache layer: the one mapping (worker/kv_cache.py)
+        self.kv_slot = kv_slots(cache_layer_groups)
+        # runs [a, b) of second-half cache layers in one group whose slots are consecutive too:
+        # one write_kv each, on the plain slice kv_cache[kv_slot[a] : kv_slot[a] + b - a]
         self.swiftkv_write_runs: list[tuple[int, int, int]] = []
         for c in range(self.L, len(cache_layer_groups)):
             g = cache_layer_groups[c]
-            if self.swiftkv_write_runs and self.swiftkv_write_runs[-1][2] == g:
-                a, _, _ = self.swiftkv_write_runs[-1]
-                self.swiftkv_write_runs[-1] = (a, c + 1, g)
-            else:
-                self.swiftkv_write_runs.append((c, c + 1, g))
+            if self.swiftkv_write_runs:
+                a, b, last = self.swiftkv_write_runs[-1]
+                if last == g and self.kv_slot[c] == self.kv_slot[a] + (b - a):
+                    self.swiftkv_write_runs[-1] = (a, c + 1, g)
+                    continue
+            self.swiftkv_write_runs.append((c, c + 1, g))
 
     def _mlp(self, h: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
         x = rms_norm(h, lw.post_norm, self.eps)
@@ -84,8 +91,9 @@ class SwiftKVModel:
     @torch.inference_mode()
     def first_half(self, inp: ModelInput, kv_cache: torch.Tensor) -> torch.Tensor | None:
         """Layers < L over every scheduled token, then the K/V of every cache layer >= L written for
-        every scheduled token. kv_cache: (num_cache_layers, 2, num_blocks, block_size, kv_heads,
-        head_dim). Returns the hidden states (S, hidden) of the sampled tokens, None if there are none."""
+        every scheduled token. kv_cache: (num_kv_slots, 2, num_blocks, block_size, kv_heads,
+        head_dim), cache layer c at slot kv_slot[c]. Returns the hidden states (S, hidden) of the
+        sampled tokens, None if there are none."""
         nh, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
         h = F.embedding(inp.input_ids, self.w.embed)  # (T, hidden)
         cos, sin = self.rotary.lookup(inp.positions)  # (T, 1, hd)
@@ -97,9 +105,9 @@ class SwiftKVModel:
             qk = apply_rope(qkv[:, : (nh + kvh) * hd].view(-1, nh + kvh, hd), cos, sin)
             q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[:, (nh + kvh) * hd :]
-            c = lw.cache_layer
-            self.backend.write_kv(kv_cache[c : c + 1], k[:, None], v.view(-1, 1, kvh, hd), grp.slot_mapping)
-            o = self.backend.prefill(q, kv_cache[c, 0], kv_cache[c, 1], grp.meta, lw.window, self.scale)
+            p = self.kv_slot[lw.cache_layer]
+            self.backend.write_kv(kv_cache[p : p + 1], k[:, None], v.view(-1, 1, kvh, hd), grp.slot_mapping)
+            o = self.backend.prefill(q, kv_cache[p, 0], kv_cache[p, 1], grp.meta, lw.window, self.scale)
             h = h.add_(lw.o(o.flatten(1)))
             h = self._mlp(h, lw)
         if self.w.kv_swiftkv is not None:
@@ -109,8 +117,9 @@ class SwiftKVModel:
             k = apply_rope(kv[:, 0].reshape(-1, n_sk * kvh, hd), cos, sin).view(-1, n_sk, kvh, hd)
             v = kv[:, 1]
             for a, b, g in self.swiftkv_write_runs:
+                p = self.kv_slot[a]
                 self.backend.write_kv(
-                    kv_cache[a:b],
+                    kv_cache[p : p + b - a],
                     k[:, a - self.L : b - self.L],
                     v[:, a - self.L : b - self.L],
                     inp.groups[g].slot_mapping,
@@ -138,11 +147,11 @@ class SwiftKVModel:
         for lw in self.w.layers[self.L :]:
             x = rms_norm(h, lw.input_norm, self.eps)
             q = apply_rope(lw.qkv(x).view(-1, nh, hd), cos, sin)
-            c = lw.cache_layer
+            p = self.kv_slot[lw.cache_layer]
             o = self.backend.decode(
                 q,
-                kv_cache[c, 0],
-                kv_cache[c, 1],
+                kv_cache[p, 0],
+                kv_cache[p, 1],
                 seq_lens,
                 block_tables[lw.group],
                 lw.window,

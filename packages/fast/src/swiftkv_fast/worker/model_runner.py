@@ -61,7 +61,9 @@ class ModelRunner:
             cache_layer_groups=group_of_cache_layer,
             backend=self.backend,
         )
-        self.kv_cache = allocate_kv_cache(config, num_blocks, econf.block_size, econf.dtype, self.device)
+        self.kv_cache = allocate_kv_cache(
+            config, num_blocks, econf.block_size, econf.dtype, self.device, group_of_cache_layer
+        )
         self.econf = econf
         self.graphs = self.make_graphs()
 

@@ -1,0 +1,151 @@
+"""Physical KV slots: the kvcache groups of a hybrid model share one KV tensor slot per cache layer
+(block ids never collide across groups), so a block costs max(group size) layers, not all of them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_prompts, reference_greedy
+from swiftkv_fast import LLM, SamplingParams
+from swiftkv_fast.worker.kv_cache import bytes_per_block, kv_slots, num_kv_slots
+
+SLIDE = "sliding_attention"
+FULL = "full_attention"
+HYBRID = dict(
+    model_type="qwen2", num_hidden_layers=4, sliding_window=16, layer_types=[SLIDE, FULL, SLIDE, FULL]
+)
+# cache layers of groups [0, 0, 0, 1, 1] -> slots [0, 1, 2, 0, 1]: the second-half runs (1..2 and 3..4)
+# sit at slots 1..2 and 0..1, not at their cache-layer indices
+HYBRID_SWIFTKV = dict(
+    model_type="qwen2_swiftkv",
+    num_hidden_layers=5,
+    sliding_window=16,
+    num_key_value_layers=1,
+    key_value_group_size=1,
+    layer_types=[FULL, FULL, FULL, SLIDE, SLIDE],
+)
+HYBRID_ACROSSKV = dict(
+    model_type="qwen2_swiftkv",
+    num_hidden_layers=5,
+    sliding_window=16,
+    num_key_value_layers=1,
+    key_value_group_size=2,
+    layer_types=[FULL, SLIDE, SLIDE, FULL, FULL],
+)
+NON_HYBRID = {
+    "full": dict(num_hidden_layers=4),
+    "swiftkv_g2": dict(
+        model_type="llama_swiftkv", num_hidden_layers=4, num_key_value_layers=2, key_value_group_size=2
+    ),
+    "mistral_swiftkv_g2": dict(
+        model_type="mistral_swiftkv",
+        num_hidden_layers=4,
+        sliding_window=20,
+        num_key_value_layers=2,
+        key_value_group_size=2,
+    ),
+}
+
+
+def _groups(llm) -> list[int]:
+    from swiftkv_fast.engine.llm_engine import kv_cache_groups
+
+    return kv_cache_groups(llm.config, llm.llm_engine.econf.block_size)[1]
+
+
+def test_kv_slots_mapping():
+    assert kv_slots([0, 0, 0]) == [0, 1, 2] and num_kv_slots([0, 0, 0]) == 3
+    assert kv_slots([0, 1, 0, 1]) == [0, 0, 1, 1] and num_kv_slots([0, 1, 0, 1]) == 2
+    assert kv_slots([0, 0, 0, 1, 1]) == [0, 1, 2, 0, 1] and num_kv_slots([0, 0, 0, 1, 1]) == 3
+    assert kv_slots([0, 1, 0]) == [0, 0, 1] and num_kv_slots([1, 0, 1, 1]) == 3
+
+
+@pytest.mark.parametrize("name", list(NON_HYBRID))
+def test_non_hybrid_slot_is_cache_layer(tiny, name):
+    cfg, state, _ = tiny(**NON_HYBRID[name])
+    llm = LLM.from_state_dict(cfg, state, kv_cache_memory=1 << 20, block_size=16, max_model_len=128)
+    runner = llm.llm_engine.runner
+    n = cfg.num_cache_layers
+    assert runner.model.kv_slot == list(range(n)) and runner.kv_cache.shape[0] == n
+    per_block = n * 2 * 16 * cfg.num_key_value_heads * cfg.head_dim * 4
+    assert runner.kv_cache.shape[2] == (1 << 20) // per_block
+
+
+@pytest.mark.parametrize(
+    "overrides,slots,ratio",
+    [
+        (HYBRID, [0, 0, 1, 1], 2),
+        (HYBRID_SWIFTKV, [0, 1, 2, 0, 1], 5 / 3),
+        (HYBRID_ACROSSKV, [0, 0, 1], 3 / 2),
+    ],
+    ids=["hybrid", "hybrid_swiftkv", "hybrid_acrosskv"],
+)
+def test_hybrid_blocks_per_byte(tiny, overrides, slots, ratio):
+    """Same kv_cache_memory: the tensor holds max(group size) slots, and the pool gets
+    num_cache_layers / max(group size) times the blocks of a tensor with one slot per cache layer."""
+    cfg, state, _ = tiny(**overrides)
+    mem, bs = 4 << 20, 16
+    llm = LLM.from_state_dict(cfg, state, kv_cache_memory=mem, block_size=bs, max_model_len=256)
+    runner, groups = llm.llm_engine.runner, _groups(llm)
+    assert len(set(groups)) == 2
+    kv = runner.kv_cache
+    per_slot = 2 * bs * cfg.num_key_value_heads * cfg.head_dim * kv.element_size()
+    assert kv.shape[0] == max(slots) + 1 == max(groups.count(g) for g in set(groups))
+    num_blocks = mem // (kv.shape[0] * per_slot)
+    assert kv.shape[2] == num_blocks == llm.llm_engine.kv_manager.num_blocks
+    assert kv.nbytes <= mem
+    unshared = mem // (cfg.num_cache_layers * per_slot)  # one slot per cache layer (the old layout)
+    assert num_blocks / unshared == pytest.approx(ratio, rel=0.01)
+    assert bytes_per_block(cfg, bs, torch.float32, groups) == kv.shape[0] * per_slot
+    assert runner.model.kv_slot == slots == kv_slots(groups)
+    torch.testing.assert_close(kv, torch.zeros_like(kv))
+    # every second-half write run is a plain slice: consecutive in cache layer and in slot
+    for a, b, g in runner.model.swiftkv_write_runs:
+        assert {groups[c] for c in range(a, b)} == {g}
+        assert runner.model.kv_slot[a:b] == list(range(slots[a], slots[a] + b - a))
+
+
+@pytest.mark.parametrize(
+    "overrides,num_kv_blocks", [(HYBRID, 110), (HYBRID_SWIFTKV, 110)], ids=["hybrid", "hybrid_swiftkv"]
+)
+def test_hybrid_shared_slots_do_not_clobber(tiny, overrides, num_kv_blocks):
+    """Both groups write into the same slots: with a small pool (preemption), sliding-window blocks
+    recycled into the full-attention group and prefix hits, the outputs still equal the reference."""
+    cfg, state, model = tiny(**overrides)
+    llm = LLM.from_state_dict(
+        cfg,
+        state,
+        return_logits=True,
+        block_size=4,
+        num_kv_blocks=num_kv_blocks,
+        max_model_len=320,
+        max_num_batched_tokens=64,
+    )
+    eng = llm.llm_engine
+    assert eng.runner.kv_cache.shape[0] < cfg.num_cache_layers  # the groups really share slots
+    used: list[set[int]] = [set(), set()]
+    allocate = eng.kv_manager.allocate_slots
+
+    def recording(*args, **kwargs):
+        new = allocate(*args, **kwargs)
+        for g, ids in enumerate(new or ()):
+            used[g].update(ids)
+        return new
+
+    eng.kv_manager.allocate_slots = recording
+    prompts = random_prompts(6, cfg.vocab_size, [300, 17, 250, 129, 64, 2], seed=7)
+    prompts.append(list(prompts[0]))
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert eng.scheduler.num_preemptions > 0, "the case should preempt"
+    assert used[0] & used[1], "some block id should have served both groups"
+    # prefix hits on blocks that may have served the other group in between
+    again = [prompts[0], prompts[0], prompts[2]]
+    outs2 = llm.generate(again[:1], params, use_tqdm=False) + llm.generate(again[1:], params, use_tqdm=False)
+    assert outs2[0].num_cached_tokens > 0 and outs2[1].num_cached_tokens > 0
+    for prompt, out in zip(prompts + again, outs + outs2):
+        tokens, logits = reference_greedy(model, prompt, 5)
+        assert out.outputs[0].token_ids == tokens, f"prompt of length {len(prompt)}"
+        err = (out.outputs[0].logits - logits).abs().max().item()
+        assert err <= 1e-4, f"prompt of length {len(prompt)}: max |logits diff| {err}"
+    assert eng.kv_manager.num_requests == 0

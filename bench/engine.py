@@ -98,6 +98,11 @@ def run_batch(llm, prompts: list[list[int]], max_tokens: int, use_tqdm: bool = F
     return result
 
 
+def swiftkv_model(llm):
+    """The engine's model (weights, L): what bench/gemm_floor.py replays the linear layers of."""
+    return llm.llm_engine.runner.model
+
+
 def kv_cache_tensor(llm) -> torch.Tensor:
     """The engine's paged KV cache: (num_kv_slots, 2, num_blocks, block_size, kv_heads, head_dim);
     num_kv_slots == num_cache_layers unless the model is hybrid (its kvcache groups share slots)."""

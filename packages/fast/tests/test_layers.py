@@ -12,7 +12,7 @@ def test_linear_matches_f_linear(rows, with_bias):
     b = torch.randn(96, generator=g) if with_bias else None
     x = torch.randn(rows, 40, generator=g)
     lin = Linear(w, b)
-    assert lin.out_features == 96
+    assert (lin.in_features, lin.out_features) == (40, 96)
     torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     # a strided input (the attention output's flatten of a view) works too
     xs = torch.randn(rows, 80, generator=g)[:, ::2]

@@ -23,6 +23,10 @@ class Linear:
         self.bias = bias
 
     @property
+    def in_features(self) -> int:
+        return self.weight.shape[0] if self.transposed else self.weight.shape[1]
+
+    @property
     def out_features(self) -> int:
         return self.weight.shape[1] if self.transposed else self.weight.shape[0]
 

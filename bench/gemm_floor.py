@@ -1,0 +1,76 @@
+"""The GEMM floor of a generation workload: only the fp32 linear layers the engine must run for it.
+
+Same weights (the engine's own `Linear`s and lm_head), same shapes, same chunking as the engine's
+schedule, random activations; no attention, norms, RoPE, sampling or scheduling. No engine whose
+matrix products go through this machine's BLAS can finish the workload faster, so
+`baseline seconds / floor seconds` is the highest speedup over the baseline that is reachable here.
+
+Worked example (the issue-4 mix: 16 prompts x 256 tokens -> 64 tokens, L = N = 30,
+max_num_batched_tokens = 4096):
+
+    prefill   one chunk of 4,096 tokens through the 4 linears of all 30 layers
+    first token   16 rows through lm_head (the second half is empty when L = N)
+    decode    63 steps of 16 rows through the 4 linears of all 30 layers and lm_head
+
+With L = 15 the prefill chunk runs 15 layers plus the fused K/V projection of layers 15-29, and the
+16 sampled rows run q_proj_swiftkv, o, gate_up and down of layers 15-29.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from bench.engine import BatchResult, swiftkv_model
+
+
+def prompt_chunks(prompt_lens: list[int], budget: int) -> list[int]:
+    """Token counts of the prefill steps when prompts are packed into steps of `budget` tokens
+    (chunked prefill, every prompt admitted at once: the token budget is the only limit)."""
+    total = sum(prompt_lens)
+    return [min(budget, total - start) for start in range(0, total, budget)]
+
+
+class _Rows:
+    """Random activations of every width the linears take, for a given row count (reused)."""
+
+    def __init__(self) -> None:
+        self.cache: dict[tuple[int, int], torch.Tensor] = {}
+
+    def __call__(self, rows: int, width: int, like: torch.Tensor) -> torch.Tensor:
+        key = (rows, width)
+        if key not in self.cache:
+            self.cache[key] = torch.randn(rows, width, dtype=like.dtype, device=like.device)
+        return self.cache[key]
+
+
+@torch.inference_mode()
+def run(llm, prompts: list[list[int]], output_len: int) -> BatchResult:
+    """Run the workload's linear layers once; returns the token counts of the workload it stands for."""
+    model = swiftkv_model(llm)
+    w, L = model.w, model.L
+    rows = _Rows()
+
+    def layer_linears(layer, m: int) -> None:
+        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            lin(rows(m, lin.in_features, w.embed))
+
+    def sampled_rows(m: int) -> None:  # the second half and lm_head for m sampled tokens
+        for layer in w.layers[L:]:
+            layer_linears(layer, m)
+        F.linear(rows(m, w.lm_head.shape[1], w.embed), w.lm_head)
+
+    budget = llm.llm_engine.econf.max_num_batched_tokens
+    for m in prompt_chunks([len(p) for p in prompts], budget):
+        for layer in w.layers[:L]:
+            layer_linears(layer, m)
+        if w.kv_swiftkv is not None:
+            w.kv_swiftkv(rows(m, w.kv_swiftkv.in_features, w.embed))
+    sampled_rows(len(prompts))  # every request's first token
+    for _ in range(output_len - 1):
+        for layer in w.layers[:L]:
+            layer_linears(layer, len(prompts))
+        if w.kv_swiftkv is not None:
+            w.kv_swiftkv(rows(len(prompts), w.kv_swiftkv.in_features, w.embed))
+        sampled_rows(len(prompts))
+    return BatchResult(sum(map(len, prompts)), output_len * len(prompts))

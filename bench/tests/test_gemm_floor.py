@@ -1,0 +1,41 @@
+"""The GEMM floor replays exactly the engine's linear layers for a workload (no timing here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import engine, gemm_floor
+
+
+def test_prompt_chunks_pack_prompts_into_the_token_budget():
+    assert gemm_floor.prompt_chunks([256] * 16, 4096) == [4096]
+    assert gemm_floor.prompt_chunks([5, 7], 8) == [8, 4]
+    assert gemm_floor.prompt_chunks([3], 8) == [3]
+
+
+@pytest.mark.parametrize("num_key_value_layers", [None, 2])
+def test_floor_runs_the_engine_linears_of_the_schedule(monkeypatch, num_key_value_layers):
+    from swiftkv_fast.model.layers import Linear
+    from swiftkv_reference.testing import random_state_dict, tiny_config
+
+    config = tiny_config()  # 4 layers
+    llm = engine.build_llm(
+        num_key_value_layers,
+        config=config,
+        state_dict=random_state_dict(config),
+        max_num_batched_tokens=8,
+    )
+    calls = []
+    original = Linear.__call__
+    monkeypatch.setattr(Linear, "__call__", lambda self, x: calls.append(x.shape[0]) or original(self, x))
+    result = gemm_floor.run(llm, [[3] * 5, [4] * 7], output_len=3)
+    assert (result.prompt_tokens, result.output_tokens) == (12, 6)
+    n, L = 4, num_key_value_layers or 4
+    swiftkv = [] if L == n else [None]  # the fused K/V projection of layers >= L
+    expected = []
+    for m in (8, 4):  # prefill chunks: layers < L and the fused K/V projection
+        expected += [m] * (4 * L + len(swiftkv))
+    expected += [2] * 4 * (n - L)  # the first token: second half for the 2 sampled rows
+    for _ in range(2):  # decode steps
+        expected += [2] * (4 * L + len(swiftkv) + 4 * (n - L))
+    assert calls == expected

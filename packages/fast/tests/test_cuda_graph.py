@@ -107,6 +107,20 @@ def test_emulated_padding_and_unpadding():
     assert r.stats["graph"] == 5 and r.stats["eager"] == 0
 
 
+def test_every_bucket_returns_rows_of_one_logits_buffer():
+    r = _runner(FakeSecondHalf())
+    r.capture()
+    assert r.logits.shape == (16, V) and r.logits.dtype == torch.float32
+    first = r.run(*_inputs(3, 2, seed=1))
+    assert first.data_ptr() == r.logits.data_ptr()
+    kept = first.clone()
+    x = _inputs(9, 4, seed=2)  # another bucket (16), same buffer
+    second = r.run(*x)
+    assert second.data_ptr() == r.logits.data_ptr()
+    torch.testing.assert_close(second, FakeSecondHalf()(*x))
+    assert not torch.equal(first, kept)  # valid until the next run, as documented
+
+
 def test_fallbacks_to_eager():
     fn = FakeSecondHalf()
     r = _runner(fn)

@@ -32,11 +32,21 @@ def _add_generate(sub) -> None:
     )
     g = p.add_argument_group("sampling")
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling: keep the most likely tokens up to this mass",
+    )
     g.add_argument("--top-k", type=int, default=-1, help="-1 disables top-k")
     g.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
     g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
-    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument(
+        "--min-tokens",
+        type=int,
+        default=0,
+        help="generate at least this many tokens (EOS is not sampled before)",
+    )
     g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     g.add_argument(
         "--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token"
@@ -54,13 +64,22 @@ def _add_generate(sub) -> None:
     )
     e.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     e.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    e.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash_attn"])
-    e.add_argument("--block-size", type=int, default=16)
-    e.add_argument("--max-num-seqs", type=int, default=256)
+    e.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "triton", "flash_attn"],
+        help="auto: triton on CUDA when it imports, torch otherwise",
+    )
+    e.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    e.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
     e.add_argument("--max-num-batched-tokens", type=int, default=4096, help="token budget per step")
-    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument(
+        "--max-model-len", type=int, default=None, help="longest prompt + output; None: the model's limit"
+    )
     e.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
-    e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument(
+        "--no-prefix-caching", action="store_true", help="do not reuse the KV of prompts seen before"
+    )
     p.set_defaults(func=_generate)
 
 

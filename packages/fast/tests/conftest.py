@@ -15,6 +15,48 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+FULL, SLIDE = "full_attention", "sliding_attention"
+# the tiny models the engine is tested on (swiftkv_reference.testing.tiny_config overrides)
+TINY_MODELS = {
+    "full": dict(num_hidden_layers=4),
+    "swiftkv_g1": dict(model_type="llama_swiftkv", num_hidden_layers=4, num_key_value_layers=2),
+    "swiftkv_g2": dict(
+        model_type="llama_swiftkv", num_hidden_layers=4, num_key_value_layers=2, key_value_group_size=2
+    ),
+    "mistral_window": dict(model_type="mistral", num_hidden_layers=3, sliding_window=24),
+    "mistral_swiftkv_g2": dict(
+        model_type="mistral_swiftkv",
+        num_hidden_layers=4,
+        sliding_window=20,
+        num_key_value_layers=2,
+        key_value_group_size=2,
+    ),
+    # two kvcache groups (sliding window + full)
+    "hybrid": dict(
+        model_type="qwen2", num_hidden_layers=4, sliding_window=16, layer_types=[SLIDE, FULL, SLIDE, FULL]
+    ),
+    # two kvcache groups, AcrossKV, L < N
+    "hybrid_swiftkv": dict(
+        model_type="qwen2_swiftkv",
+        num_hidden_layers=5,
+        sliding_window=16,
+        num_key_value_layers=1,
+        key_value_group_size=2,
+        layer_types=[FULL, SLIDE, SLIDE, FULL, FULL],
+    ),
+    # cache layers of groups [0, 0, 0, 1, 1] -> KV slots [0, 1, 2, 0, 1]: the second-half write runs
+    # (cache layers 1..2 and 3..4) sit at slots 1..2 and 0..1, not at their cache-layer indices
+    "hybrid_swiftkv_g1": dict(
+        model_type="qwen2_swiftkv",
+        num_hidden_layers=5,
+        sliding_window=16,
+        num_key_value_layers=1,
+        key_value_group_size=1,
+        layer_types=[FULL, FULL, FULL, SLIDE, SLIDE],
+    ),
+}
+
+
 def reference_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:
     """Greedy tokens and fp32 logits rows of the reference model (incremental, naive cache)."""
     cache = model.new_cache()

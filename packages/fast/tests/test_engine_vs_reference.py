@@ -5,37 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_prompts, reference_greedy
+from conftest import TINY_MODELS, random_prompts, reference_greedy
 from swiftkv_fast import LLM, SamplingParams
 
-SLIDE = "sliding_attention"
-FULL = "full_attention"
-MODELS = {
-    "full": dict(num_hidden_layers=4),
-    "swiftkv_g1": dict(model_type="llama_swiftkv", num_hidden_layers=4, num_key_value_layers=2),
-    "swiftkv_g2": dict(
-        model_type="llama_swiftkv", num_hidden_layers=4, num_key_value_layers=2, key_value_group_size=2
-    ),
-    "mistral_window": dict(model_type="mistral", num_hidden_layers=3, sliding_window=24),
-    "mistral_swiftkv_g2": dict(
-        model_type="mistral_swiftkv",
-        num_hidden_layers=4,
-        sliding_window=20,
-        num_key_value_layers=2,
-        key_value_group_size=2,
-    ),
-    "hybrid": dict(
-        model_type="qwen2", num_hidden_layers=4, sliding_window=16, layer_types=[SLIDE, FULL, SLIDE, FULL]
-    ),
-    "hybrid_swiftkv": dict(
-        model_type="qwen2_swiftkv",
-        num_hidden_layers=5,
-        sliding_window=16,
-        num_key_value_layers=1,
-        key_value_group_size=2,
-        layer_types=[FULL, SLIDE, SLIDE, FULL, FULL],
-    ),
-}
 MAX_TOKENS = 5
 LENGTHS = [1, 300, 17, 64, 129, 2, 250]
 
@@ -67,7 +39,7 @@ def _check(llm, model, prompts, outs):
 
 @pytest.mark.parametrize("name,engine_kwargs", CASES, ids=[f"{m}-{i}" for i, (m, _) in enumerate(CASES)])
 def test_greedy_matches_reference(tiny, name, engine_kwargs):
-    cfg, state, model = tiny(**MODELS[name])
+    cfg, state, model = tiny(**TINY_MODELS[name])
     llm = LLM.from_state_dict(cfg, state, return_logits=True, **engine_kwargs)
     prompts = random_prompts(6, cfg.vocab_size, LENGTHS, seed=sum(map(ord, name)))
     prompts.append(list(prompts[1]))  # a repeated prompt in the same batch
@@ -86,7 +58,7 @@ def test_greedy_matches_reference(tiny, name, engine_kwargs):
 
 def test_teacher_path_of_swiftkv_checkpoint(tiny):
     """num_key_value_layers=N on a SwiftKV checkpoint runs the original layers (== plain model)."""
-    cfg, state, _ = tiny(**MODELS["swiftkv_g1"])
+    cfg, state, _ = tiny(**TINY_MODELS["swiftkv_g1"])
     plain_cfg = cfg.replace(model_type="llama", num_key_value_layers=4, key_value_group_size=1)
     plain_state = {k: v for k, v in state.items() if "swiftkv" not in k}
     prompts = random_prompts(3, cfg.vocab_size, [5, 40, 90])
@@ -98,7 +70,7 @@ def test_teacher_path_of_swiftkv_checkpoint(tiny):
 
 def test_training_switch_off_still_serves_swiftkv(tiny):
     """Snowflake's trainer saves `swiftkv: false` (its runtime switch); serving runs SwiftKV anyway."""
-    cfg, state, model = tiny(**MODELS["swiftkv_g1"])
+    cfg, state, model = tiny(**TINY_MODELS["swiftkv_g1"])
     prompts = random_prompts(2, cfg.vocab_size, [9, 60])
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm = LLM.from_state_dict(cfg.replace(swiftkv=False), state)
@@ -111,7 +83,7 @@ def test_on_the_fly_conversion_matches_converted_reference(tiny):
     from swiftkv_reference.checkpoint import swiftkv_init
     from swiftkv_reference.model import SwiftKVForCausalLM
 
-    cfg, state, _ = tiny(**MODELS["full"])
+    cfg, state, _ = tiny(**TINY_MODELS["full"])
     new_cfg, new_state = swiftkv_init(cfg, state, 2, 2)
     ref = SwiftKVForCausalLM(new_cfg)
     ref.load_state_dict(new_state)
@@ -125,7 +97,7 @@ def test_on_the_fly_conversion_matches_converted_reference(tiny):
 
 
 def test_kv_memory_acrosskv(tiny):
-    cfg, state, _ = tiny(**MODELS["swiftkv_g2"])
+    cfg, state, _ = tiny(**TINY_MODELS["swiftkv_g2"])
     llm = LLM.from_state_dict(cfg, state, num_kv_blocks=10, block_size=16, max_model_len=128)
     kv = llm.llm_engine.runner.kv_cache
     assert tuple(kv.shape) == (3, 2, 10, 16, cfg.num_key_value_heads, cfg.head_dim)

@@ -5,46 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_prompts, reference_greedy
+from conftest import TINY_MODELS, random_prompts, reference_greedy
 from swiftkv_fast import LLM, SamplingParams
 from swiftkv_fast.worker.kv_cache import bytes_per_block, kv_slots, num_kv_slots
 
-SLIDE = "sliding_attention"
-FULL = "full_attention"
-HYBRID = dict(
-    model_type="qwen2", num_hidden_layers=4, sliding_window=16, layer_types=[SLIDE, FULL, SLIDE, FULL]
-)
-# cache layers of groups [0, 0, 0, 1, 1] -> slots [0, 1, 2, 0, 1]: the second-half runs (1..2 and 3..4)
-# sit at slots 1..2 and 0..1, not at their cache-layer indices
-HYBRID_SWIFTKV = dict(
-    model_type="qwen2_swiftkv",
-    num_hidden_layers=5,
-    sliding_window=16,
-    num_key_value_layers=1,
-    key_value_group_size=1,
-    layer_types=[FULL, FULL, FULL, SLIDE, SLIDE],
-)
-HYBRID_ACROSSKV = dict(
-    model_type="qwen2_swiftkv",
-    num_hidden_layers=5,
-    sliding_window=16,
-    num_key_value_layers=1,
-    key_value_group_size=2,
-    layer_types=[FULL, SLIDE, SLIDE, FULL, FULL],
-)
-NON_HYBRID = {
-    "full": dict(num_hidden_layers=4),
-    "swiftkv_g2": dict(
-        model_type="llama_swiftkv", num_hidden_layers=4, num_key_value_layers=2, key_value_group_size=2
-    ),
-    "mistral_swiftkv_g2": dict(
-        model_type="mistral_swiftkv",
-        num_hidden_layers=4,
-        sliding_window=20,
-        num_key_value_layers=2,
-        key_value_group_size=2,
-    ),
-}
+HYBRID = TINY_MODELS["hybrid"]
+HYBRID_SWIFTKV = TINY_MODELS["hybrid_swiftkv_g1"]
+HYBRID_ACROSSKV = TINY_MODELS["hybrid_swiftkv"]
+NON_HYBRID = {name: TINY_MODELS[name] for name in ("full", "swiftkv_g2", "mistral_swiftkv_g2")}
 
 
 def _groups(llm) -> list[int]:

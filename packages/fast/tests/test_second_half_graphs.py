@@ -6,21 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_prompts
+from conftest import TINY_MODELS, random_prompts
 from swiftkv_fast import LLM, SamplingParams
 from swiftkv_fast.attention import TorchBackend
 from swiftkv_fast.worker.cuda_graph_runner import graphs_disabled_reason
 
-FULL, SLIDE = "full_attention", "sliding_attention"
 # two kvcache groups (full + sliding window), AcrossKV, L < N
-HYBRID = dict(
-    model_type="qwen2_swiftkv",
-    num_hidden_layers=5,
-    sliding_window=16,
-    num_key_value_layers=1,
-    key_value_group_size=2,
-    layer_types=[FULL, SLIDE, SLIDE, FULL, FULL],
-)
+HYBRID = TINY_MODELS["hybrid_swiftkv"]
 ENGINE = dict(
     block_size=4,
     max_model_len=128,

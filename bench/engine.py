@@ -103,6 +103,11 @@ def swiftkv_model(llm):
     return llm.llm_engine.runner.model
 
 
+def step_token_budget(llm) -> int:
+    """Tokens the engine schedules per step at most (max_num_batched_tokens)."""
+    return llm.llm_engine.econf.max_num_batched_tokens
+
+
 def kv_cache_tensor(llm) -> torch.Tensor:
     """The engine's paged KV cache: (num_kv_slots, 2, num_blocks, block_size, kv_heads, head_dim);
     num_kv_slots == num_cache_layers unless the model is hybrid (its kvcache groups share slots)."""

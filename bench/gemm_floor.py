@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from bench.engine import BatchResult, swiftkv_model
+from bench.engine import BatchResult, step_token_budget, swiftkv_model
 
 
 def prompt_chunks(prompt_lens: list[int], budget: int) -> list[int]:
@@ -55,22 +55,21 @@ def run(llm, prompts: list[list[int]], output_len: int) -> BatchResult:
         for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
             lin(rows(m, lin.in_features, w.embed))
 
+    def all_rows(m: int) -> None:  # layers < L and the fused K/V projection of layers >= L, m tokens
+        for layer in w.layers[:L]:
+            layer_linears(layer, m)
+        if w.kv_swiftkv is not None:
+            w.kv_swiftkv(rows(m, w.kv_swiftkv.in_features, w.embed))
+
     def sampled_rows(m: int) -> None:  # the second half and lm_head for m sampled tokens
         for layer in w.layers[L:]:
             layer_linears(layer, m)
         F.linear(rows(m, w.lm_head.shape[1], w.embed), w.lm_head)
 
-    budget = llm.llm_engine.econf.max_num_batched_tokens
-    for m in prompt_chunks([len(p) for p in prompts], budget):
-        for layer in w.layers[:L]:
-            layer_linears(layer, m)
-        if w.kv_swiftkv is not None:
-            w.kv_swiftkv(rows(m, w.kv_swiftkv.in_features, w.embed))
+    for m in prompt_chunks([len(p) for p in prompts], step_token_budget(llm)):
+        all_rows(m)
     sampled_rows(len(prompts))  # every request's first token
     for _ in range(output_len - 1):
-        for layer in w.layers[:L]:
-            layer_linears(layer, len(prompts))
-        if w.kv_swiftkv is not None:
-            w.kv_swiftkv(rows(len(prompts), w.kv_swiftkv.in_features, w.embed))
+        all_rows(len(prompts))
         sampled_rows(len(prompts))
     return BatchResult(sum(map(len, prompts)), output_len * len(prompts))

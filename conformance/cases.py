@@ -172,9 +172,10 @@ class Case:
     prompts: list[list[int]] = field(default_factory=list)
     sampling: list[Sampling] = field(default_factory=list)
     seed: int = WEIGHT_SEED
+    extra_overrides: dict[str, Any] = field(default_factory=dict)  # on top of the model case's config
 
     def describe(self) -> str:
-        overrides = model_overrides(self.model)
+        overrides = {**model_overrides(self.model), **self.extra_overrides}
         sampling = (
             self.sampling[0] if self.sampling and all(s == self.sampling[0] for s in self.sampling) else None
         )

@@ -12,7 +12,7 @@ import torch
 
 from .adapters.base import Sampling
 from .cases import Case, make_prompts, model_overrides
-from .compare import assert_close
+from .compare import FP32_LOGITS_ATOL, assert_close
 
 ORACLE_MODELS = ("llama", "mistral-window", "hybrid", "qwen2-bias")
 
@@ -98,7 +98,7 @@ def test_reference_matches_transformers(impl, model, bench, request):
             assert_close(
                 _reference_logits(ref, p),
                 expected,
-                atol=1e-4,
+                atol=FP32_LOGITS_ATOL,
                 what=f"{model}: reference forward vs transformers (prompt of {len(p)})",
                 context=context,
             )
@@ -113,7 +113,7 @@ def test_reference_matches_transformers(impl, model, bench, request):
             assert_close(
                 g.logits,
                 hf_rows,
-                atol=1e-4,
+                atol=FP32_LOGITS_ATOL,
                 what=f"{model}: reference generate rows vs transformers",
                 context=context,
             )

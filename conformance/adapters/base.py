@@ -70,6 +70,8 @@ class Sampling:
     seed: int | None = None
     logprobs: int = 5  # top-n logprobs, needed by the low-precision rule
     ignore_eos: bool = True  # fixed lengths: tiny random models emit EOS by chance
+    min_tokens: int = 0  # before this many outputs, EOS is never produced (its logit is masked)
+    stop: tuple[str, ...] = ()  # stop strings, searched in the output text (`CharTokenizer`)
 
 
 @dataclass
@@ -81,6 +83,8 @@ class Output:
     top_logprobs: list[dict[int, float]] | None = None  # top-n {token: logprob} at each position
     logits: torch.Tensor | None = None  # (len(token_ids), vocab) fp32 logits at the sampled positions
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
+    text: str | None = None  # the output text (`CharTokenizer`), cut before a stop string
+    finish_reason: str | None = None  # "stop" or "length"
 
 
 class Runner(ABC):
@@ -135,6 +139,29 @@ class Implementation(ABC):
     def describe(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
         return f"{self.name} {self.version()} device={self.device()} dtype={dtype}"
+
+
+class CharTokenizer:
+    """The suite's tokenizer for tiny random models: token id i is the one character
+    chr(0x100 + i), so a stop string is a run of token ids. Special ids are skipped when
+    decoding (as Hugging Face's `skip_special_tokens=True`)."""
+
+    FIRST = 0x100
+
+    def __init__(self, special_ids: set[int] | frozenset[int] = frozenset()):
+        self.special_ids = frozenset(special_ids)
+
+    @classmethod
+    def for_config(cls, config: Any) -> CharTokenizer:
+        """Skips the model's EOS and BOS ids."""
+        return cls({*config.eos_token_id, *([] if config.bos_token_id is None else [config.bos_token_id])})
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        skip = self.special_ids if skip_special_tokens else frozenset()
+        return "".join(chr(self.FIRST + t) for t in token_ids if t not in skip)
+
+    def __call__(self, text: str) -> dict[str, list[int]]:
+        return {"input_ids": [ord(c) - self.FIRST for c in text]}
 
 
 def env_snapshot() -> dict[str, str]:

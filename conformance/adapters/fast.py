@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .base import (
+    CharTokenizer,
     EngineOptions,
     Implementation,
     Output,
@@ -90,6 +91,8 @@ def convert_output(out: Any, sampling: Sampling) -> Output:
         top_logprobs=top,
         logits=logits,
         num_cached_tokens=None if cached is None else int(cached),
+        text=getattr(comp, "text", None),
+        finish_reason=getattr(comp, "finish_reason", None),
     )
 
 
@@ -118,9 +121,13 @@ class _FastRunner(Runner):
                     "seed": s.seed,
                     "ignore_eos": s.ignore_eos,
                     "logprobs": s.logprobs,
+                    "min_tokens": s.min_tokens,
+                    "stop": list(s.stop),
                     "return_logits": True,
                 },
             )
+            if s.min_tokens and "min_tokens" not in kwargs or s.stop and "stop" not in kwargs:
+                raise TypeError(f"swiftkv_fast SamplingParams cannot take {s} (no min_tokens or stop)")
             params.append(SamplingParams(**kwargs))
         gen = self.llm.generate
         kwargs: dict[str, Any] = {}
@@ -234,7 +241,7 @@ class Fast(Implementation):
         unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(EngineConfig)})
         if unknown:
             raise TypeError(f"swiftkv_fast EngineConfig has no {unknown}")
-        llm = LLM.from_state_dict(config, state_dict, tokenizer=None, **kwargs)
+        llm = LLM.from_state_dict(config, state_dict, tokenizer=CharTokenizer.for_config(config), **kwargs)
         return _FastRunner(llm, expect_graph_replays=self.expect_graph_replays)
 
 

@@ -8,12 +8,14 @@ Engine options (block size, chunking, caching) do not exist in the reference.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 from typing import Any
 
 import torch
 
 from .base import (
+    CharTokenizer,
     EngineOptions,
     Implementation,
     Output,
@@ -75,6 +77,16 @@ def reference_generate(
     sampling: list[Sampling],
     prefill_chunk: int | None = None,
 ) -> list[Output]:
+    """`swiftkv_reference.generate`, plus vLLM's `min_tokens` and stop strings (which it does not
+    have) for greedy requests: see `_generate_with_stop_rules`."""
+    if any(s.min_tokens or s.stop for s in sampling):
+        return [_generate_with_stop_rules(model, p, s, prefill_chunk) for p, s in zip(prompts, sampling)]
+    return _generate(model, prompts, sampling, prefill_chunk)
+
+
+def _generate(
+    model: torch.nn.Module, prompts: list[list[int]], sampling: list[Sampling], prefill_chunk: int | None
+) -> list[Output]:
     from swiftkv_reference.generate import generate
 
     kwargs = {"prefill_chunk": prefill_chunk} if prefill_chunk is not None else {}
@@ -92,9 +104,65 @@ def reference_generate(
                 logprobs=[float(x) for x in (getattr(g, "logprobs", None) or [])],
                 top_logprobs=top_logprobs_from_logits(logits, s.logprobs) if logits is not None else None,
                 logits=logits,
+                text=CharTokenizer.for_config(model.config).decode(list(g.token_ids)),
+                finish_reason=getattr(g, "finish_reason", None),
             )
         )
     return outs
+
+
+def _generate_with_stop_rules(
+    model: torch.nn.Module, prompt: list[int], s: Sampling, prefill_chunk: int | None
+) -> Output:
+    """Greedy generation with vLLM's rules on top of the reference's generator:
+
+    - min_tokens: an EOS chosen as output i < min_tokens is replaced by the best other token (the
+      row's EOS logits masked), and generation resumes from the prompt plus the outputs so far;
+    - stop strings (in `CharTokenizer` text of the outputs only, never the prompt): the output ends
+      with the first token whose text completes one (ending after the text of the first min_tokens
+      outputs), every token kept; the text is cut before the earliest such stop string.
+    Logits and logprobs rows are those of the raw model (the mask only changes the choice)."""
+    if s.temperature != 0:
+        raise ValueError(f"the reference serves min_tokens and stop strings for greedy requests only: {s}")
+    eos = set(model.config.eos_token_id)
+    tokens: list[int] = []
+    rows: list[torch.Tensor] = []
+    while True:
+        rest = dataclasses.replace(s, max_tokens=s.max_tokens - len(tokens), min_tokens=0, stop=())
+        out = _generate(model, [prompt + tokens], [rest], prefill_chunk)[0]
+        new = out.token_ids
+        rows.append(out.logits)
+        last = len(tokens) + len(new) - 1
+        if s.ignore_eos or new[-1] not in eos or last >= s.min_tokens:
+            tokens += new
+            break
+        masked = out.logits[-1].clone()
+        masked[sorted(eos)] = float("-inf")
+        tokens += new[:-1] + [int(masked.argmax())]
+        if len(tokens) == s.max_tokens:
+            break
+    logits = torch.cat(rows)
+    finish = "stop" if not s.ignore_eos and tokens[-1] in eos else "length"
+    tokenizer = CharTokenizer.for_config(model.config)
+    text = tokenizer.decode(tokens)
+    if s.stop:
+        boundary = len(tokenizer.decode(tokens[: s.min_tokens]))
+        for t in range(s.min_tokens, len(tokens)):
+            text = tokenizer.decode(tokens[: t + 1])
+            hits = [(text.find(x, max(0, boundary - len(x) + 1)), x) for x in s.stop]
+            hits = [h for h in hits if h[0] >= 0]
+            if hits:
+                tokens, logits, text, finish = tokens[: t + 1], logits[: t + 1], text[: min(hits)[0]], "stop"
+                break
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return Output(
+        token_ids=tokens,
+        logprobs=[float(logprobs[i, t]) for i, t in enumerate(tokens)],
+        top_logprobs=top_logprobs_from_logits(logits, s.logprobs),
+        logits=logits,
+        text=text,
+        finish_reason=finish,
+    )
 
 
 class ReferenceRunner(Runner):

@@ -69,3 +69,31 @@ def test_cli_bad_input_is_an_error(capsys):
         == 2
     )
     assert "top_p" in capsys.readouterr().err
+
+
+def test_interrupted_prefill_leaves_no_poisoned_cache(llm, monkeypatch):
+    """Ctrl-C during a long chat's prefill, then the same chat and another one sharing its system
+    prompt: both answer exactly as with an empty prefix cache (before the fix: garbage, served from
+    blocks registered by the interrupted step whose K/V was never written)."""
+    facts = " ".join(f"Fact {i}: the number {i} is {'even' if i % 2 == 0 else 'odd'}." for i in range(40))
+    system = {"role": "system", "content": "You are a careful assistant. " + facts}
+    fox = "Repeat exactly: The quick brown fox jumps over the lazy dog."
+    echo = [system, {"role": "user", "content": fox}]
+    capital = [system, {"role": "user", "content": QUESTION}]
+    params = SamplingParams(temperature=0, max_tokens=10)
+    backend = llm.llm_engine.runner.backend
+    prefill = backend.prefill
+
+    def interrupted_prefill(*args, **kwargs):
+        prefill(*args, **kwargs)  # layer 0 wrote and attended; the interrupt lands before layer 1
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(backend, "prefill", interrupted_prefill)
+    with pytest.raises(KeyboardInterrupt):
+        llm.chat(echo, params, use_tqdm=False)
+    monkeypatch.undo()
+    again = llm.chat([echo, capital], params, use_tqdm=False)
+    assert llm.llm_engine.kv_manager.reset_prefix_cache()
+    fresh = llm.chat([echo, capital], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in fresh]
+    assert len(again[0].prompt_token_ids) > 400 and "Paris" in again[1].outputs[0].text

@@ -1,14 +1,17 @@
 """min_tokens as vLLM: before min_tokens outputs, EOS (unless ignore_eos) and stop_token_ids are never
-sampled (their logits are -inf for the choice); the reported logprobs stay those of the raw logits."""
+sampled (their logits are -inf for the choice); the reported logprobs stay those of the raw logits; a
+stop string counts only if it ends in the text of a later output, and the text is then the kept token
+ids' text cut before it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from char_tokenizer import CharTokenizer
 from conftest import random_prompts
 from swiftkv_fast import LLM, SamplingParams
 from swiftkv_fast.engine.request import Request
-from swiftkv_fast.engine.stop import min_tokens_banned_ids
+from swiftkv_fast.engine.stop import check_stop, min_tokens_banned_ids
 from swiftkv_fast.sampler import sample
 from swiftkv_reference.sampling import SamplingSettings
 from swiftkv_reference.sampling import sample as reference_sample
@@ -149,3 +152,59 @@ def test_eos_not_sampled_before_min_tokens_unless_ignore_eos(tiny):
     )
     assert outs[0].outputs[0].token_ids == [t]
     assert outs[1].outputs[0].token_ids == masked.token_ids
+
+
+# ---- stop strings and min_tokens (vLLM's detokenizer rule) ---------------------------------------
+
+
+def _stop_run(text: str, **kw) -> tuple[str, str, str | None, str | int | None]:
+    """Feed `text` one character (token) at a time through check_stop until it stops.
+    -> (text of the kept token ids, output_text, finish_reason, stop_reason)."""
+    tok = CharTokenizer()
+    req = Request("r", [1], SamplingParams(max_tokens=len(text), ignore_eos=True, **kw), None)
+    for t in tok.encode(text):
+        req.append_output_token_ids(t)
+        if check_stop(req, t, set(), 10_000, tok.decode):
+            break
+    return tok.decode(req.output_token_ids), req.output_text, req.finish_reason, req.stop_reason
+
+
+@pytest.mark.parametrize(
+    "text,kw,want",
+    [
+        ("a.bc.d", dict(stop=".", min_tokens=3), ("a.bc.", "a.bc", "stop", ".")),  # the first "." is early
+        ("a.bc.d", dict(stop="."), ("a.", "a", "stop", ".")),
+        ("a.bcde", dict(stop=".", min_tokens=2), ("a.bcde", "", "length", None)),  # "." is output 2 of 2
+        ("a.bcd", dict(stop="bc", min_tokens=3), ("a.bc", "a.", "stop", "bc")),  # straddles: it ends later
+        ("abab.", dict(stop="ab", min_tokens=2), ("abab", "ab", "stop", "ab")),
+        ("abcd", dict(stop=["ab", "d"], min_tokens=2), ("abcd", "abc", "stop", "d")),
+    ],
+)
+def test_stop_string_counts_only_if_it_ends_after_min_tokens(text, kw, want):
+    ids_text, out_text, reason, stop_reason = _stop_run(text, **kw)
+    assert (ids_text, out_text, reason, stop_reason) == want
+    if reason == "stop":  # text and token ids agree: the ids' text, cut before the stop string
+        assert ids_text == out_text + stop_reason
+
+
+def test_stop_string_before_min_tokens_does_not_cut_the_text(tiny):
+    """Engine, greedy: a "." is generated at output 2 and again later; with min_tokens=8 the text is
+    every kept token's text up to the first "." generated after output 8 (it used to be cut at the
+    early ".", while 8 tokens were kept)."""
+    cfg, state, _ = tiny(num_hidden_layers=2)
+    prompt = random_prompts(1, cfg.vocab_size, [11], seed=3)[0]
+    plain = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    toks = LLM.from_state_dict(cfg, state).generate(prompt, plain, use_tqdm=False)[0].outputs[0].token_ids
+    dots = {toks[1], toks[9]}
+    tok = CharTokenizer({t: "." if t in dots else "x" for t in range(cfg.vocab_size)})
+    llm = LLM.from_state_dict(cfg, state, tokenizer=tok)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, min_tokens=8, stop=["."])
+    o = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    j = next(i for i in range(8, 16) if toks[i] in dots)
+    assert (o.finish_reason, o.stop_reason) == ("stop", ".")
+    assert o.token_ids == toks[: j + 1]
+    assert o.text == tok.decode(toks[:j]) and "." in o.text[:2]
+    # without min_tokens the early "." stops it
+    o = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, stop=["."]), use_tqdm=False)
+    first = next(i for i, t in enumerate(toks) if t in dots)
+    assert (o[0].outputs[0].token_ids, o[0].outputs[0].text) == (toks[: first + 1], tok.decode(toks[:first]))

@@ -24,6 +24,7 @@ from swiftkv_fast.kernels.write_kv import write_kv  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+# outputs are convex combinations of N(0, 1) values (|out| < 5): fp32 1e-5 is ~20 ulps of them
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
@@ -289,7 +290,7 @@ def test_triton_backend_roundtrip():
     check(dec, reference(q[last], kc1, vc1, cu1, sl, bt, 5, 0.2), torch.float32)
     # the decode of each request's last query equals the prefill's row for it (window None)
     dec_full = be.decode(q[last], kc1, vc1, sl, bt, None, 0.2)
-    torch.testing.assert_close(dec_full, out[last], atol=1e-5, rtol=0)
+    torch.testing.assert_close(dec_full, out[last], atol=TOL[torch.float32], rtol=0)
 
 
 def test_triton_backend_strided_views():

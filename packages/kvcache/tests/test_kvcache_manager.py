@@ -268,7 +268,7 @@ def test_mixed_block_sizes_rejected():
         KVCacheManager([FullAttentionSpec(2), SlidingWindowSpec(4, 8)], num_blocks=10, max_model_len=64)
 
 
-# -- out of blocks: None changes nothing --------------------------------------------------------
+# -- out of blocks: None changes nothing but the sliding-window skip ------------------------------
 
 
 def test_allocate_none_changes_nothing_new_request_with_hit():
@@ -287,17 +287,76 @@ def test_allocate_none_changes_nothing_new_request_with_hit():
     assert mgr.allocate_slots(r2, 1, hit=hit) == ([5],)
 
 
-def test_allocate_none_changes_nothing_sliding_running():
-    mgr = KVCacheManager([SlidingWindowSpec(block_size=1, window=2)], num_blocks=7, max_model_len=64)
-    req = Request("r", list(range(20)))
-    step(mgr, req, 4, mgr.get_computed_blocks(req))  # 1..4, 2 free left
+def test_refused_allocation_still_frees_what_the_window_no_longer_needs():
+    """vLLM: the skip is applied (and its blocks freed) before the capacity check, so it
+    stays done when the call returns None."""
+    mgr = KVCacheManager([SlidingWindowSpec(block_size=2, window=5)], num_blocks=8, max_model_len=64)
+    req = Request("r", list(range(30)))
+    step(mgr, req, 10, mgr.get_computed_blocks(req))  # blocks 1..5 for tokens 0..9, 2 free
+    assert mgr.get_block_ids("r") == ([1, 2, 3, 4, 5],) and mgr.num_free_blocks == 2
+    hashes = [dict(c) for c in mgr.block_pool.cached_block_hash_to_block]
+    # 10 computed: the next query (position 10) sees 6..10, so tokens 0..5 (blocks 0..2) are dead;
+    # 10 more tokens need 5 new blocks, 2 + 3 freed = 5 free: exactly one short with 12 more
+    assert mgr.allocate_slots(req, 12) is None
+    assert mgr.num_free_blocks == 2 + 3
+    assert mgr.get_block_ids("r") == ([0, 0, 0, 4, 5],)
+    assert free_ids(mgr) == [6, 7, 3, 2, 1]  # freed last block first, cached ones at the back
+    assert [dict(c) for c in mgr.block_pool.cached_block_hash_to_block] == hashes  # still hit-able
+    assert mgr.block_pool.blocks[1].ref_cnt == 0
+    # a second refusal (the scheduler retries after each preemption) frees nothing more
     before = snapshot(mgr)
-    # skipping would free 3 blocks (5 free), 6 needed: None and no skip applied
-    assert mgr.allocate_slots(req, 6) is None
+    assert mgr.allocate_slots(req, 12) is None
     assert snapshot(mgr) == before
-    # 5 needed: succeeds thanks to the skip
-    assert mgr.allocate_slots(req, 5) is not None
+    # 10 tokens fit now: the 2 never-used blocks first, then the LRU cached ones
+    assert step(mgr, req, 10) == ([6, 7, 3, 2, 1],)
     assert mgr.num_free_blocks == 0
+
+
+def test_refused_allocation_skip_hybrid_and_shared_blocks():
+    """Only the sliding group drops blocks; a dropped block another request still holds is
+    nulled in this table but stays out of the free queue."""
+    groups = [FullAttentionSpec(2), SlidingWindowSpec(block_size=2, window=5)]
+    mgr = KVCacheManager(groups, num_blocks=18, max_model_len=64)
+    r1 = Request("r1", list(range(9)))
+    step(mgr, r1, 9, mgr.get_computed_blocks(r1))  # full 1..5, sliding 6..10
+    r2 = Request("r2", list(range(7)) + [99] * 8)
+    hit = mgr.get_computed_blocks(r2)
+    assert hit.num_tokens == 6 and hit.block_ids == ([1, 2, 3], [0, 7, 8])
+    step(mgr, r2, 6, hit)  # 12 computed; 3 new blocks per group: one left free
+    assert mgr.get_block_ids("r2") == ([1, 2, 3, 11, 12, 13], [0, 7, 8, 14, 15, 16])
+    assert free_ids(mgr) == [17]
+    # r2: 12 computed, window 5: tokens 0..7 dead = sliding blocks 0..3; 7 and 8 are r1's too
+    assert mgr.allocate_slots(r2, 3) is None  # needs 2 + 2 new blocks, 1 + 1 free
+    assert mgr.get_block_ids("r2") == ([1, 2, 3, 11, 12, 13], [0, 0, 0, 0, 15, 16])
+    assert free_ids(mgr) == [17, 14]
+    assert [mgr.block_pool.blocks[b].ref_cnt for b in (7, 8, 14)] == [1, 1, 0]
+    mgr.free(r1)
+    r2_blocks = {b for table in mgr.get_block_ids("r2") for b in table if b}
+    assert mgr.num_free_blocks == mgr.num_blocks - 1 - len(r2_blocks) == 9
+
+
+def test_refused_admission_changes_nothing_sliding():
+    """A new request holds no blocks: nothing to skip, a refused admission changes nothing."""
+    mgr = KVCacheManager([SlidingWindowSpec(block_size=1, window=2)], num_blocks=4, max_model_len=64)
+    req = Request("r", list(range(20)))
+    before = snapshot(mgr)
+    assert mgr.allocate_slots(req, 4, hit=mgr.get_computed_blocks(req)) is None
+    assert snapshot(mgr) == before and "r" not in mgr
+
+
+def test_free_of_a_request_holding_no_blocks_is_a_no_op():
+    """vLLM: aborting a waiting request frees nothing and raises nothing."""
+    mgr = KVCacheManager([FullAttentionSpec(2)], num_blocks=10, max_model_len=64)
+    r1 = Request("r1", [1, 2, 3])
+    step(mgr, r1, 3, mgr.get_computed_blocks(r1))
+    before = snapshot(mgr)
+    mgr.free(Request("waiting", [1, 2, 3]))
+    mgr.free("never-seen")
+    assert snapshot(mgr) == before
+    mgr.free(r1)
+    assert mgr.num_free_blocks == 9
+    mgr.free(r1)  # twice: the second is a no-op too
+    assert mgr.num_free_blocks == 9 and "r1" not in mgr
 
 
 # -- bad input ----------------------------------------------------------------------------------
@@ -323,7 +382,6 @@ def busy():
         (lambda m, r: m.allocate_slots(r, 6), ValueError),  # more tokens than the request has
         (lambda m, r: m.allocate_slots(r, 5, num_lookahead_tokens=8), ValueError),  # > max_model_len
         (lambda m, r: m.allocate_slots(Request("big", list(range(20))), 17), ValueError),
-        (lambda m, r: m.free(Request("nobody", [1])), KeyError),
         (lambda m, r: m.free(Request("r1", [1])), ValueError),
         (lambda m, r: m.get_block_ids("nobody"), KeyError),
         (lambda m, r: m.allocate_slots(r, 1, hit=m.get_computed_blocks(Request("o", [1, 2, 3]))), ValueError),

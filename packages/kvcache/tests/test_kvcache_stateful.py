@@ -86,12 +86,40 @@ class KVCacheMachine(RuleBasedStateMachine):
                 first = max(0, hit.num_tokens - spec.window + 1) // self.bs
                 assert all(ids[first:]), (ids, spec)
 
+    def _after_refusal(self, req, before):
+        """``before`` as a refused ``allocate_slots`` must leave it (vLLM): a running request's
+        sliding groups null the entries out of the window (from the highest index down to the
+        first null) and free them, unhashed ones to the front of the queue, cached ones to the
+        back; nothing else changes. A new request's refusal changes nothing at all."""
+        free, blocks, caches, tables, num_cached, requests = before
+        if req.request_id not in tables[0]:
+            return before
+        blocks = list(blocks)
+        tables = [dict(t) for t in tables]
+        for g, spec in enumerate(self.groups):
+            if not isinstance(spec, SlidingWindowSpec):
+                continue
+            table = list(tables[g][req.request_id])
+            skipped = max(0, req.num_computed_tokens - spec.window + 1) // self.bs
+            unhashed, hashed = [], []
+            for i in range(min(skipped, len(table)) - 1, -1, -1):
+                if table[i] == 0:
+                    break
+                b, ref, block_hash, group = blocks[table[i]]
+                blocks[b] = (b, ref - 1, block_hash, group)
+                if ref == 1:
+                    (unhashed if block_hash is None else hashed).append(b)
+                table[i] = 0
+            tables[g][req.request_id] = table
+            free = unhashed + free + hashed
+        return free, blocks, caches, tables, num_cached, requests
+
     def _allocate(self, req, n, hit=None):
         before = snapshot(self.mgr)
         start = req.num_computed_tokens + (hit.num_tokens if hit else 0)
         new = self.mgr.allocate_slots(req, n, hit=hit)
         if new is None:
-            assert snapshot(self.mgr) == before
+            assert snapshot(self.mgr) == self._after_refusal(req, before)
             return False
         assert len(new) == len(self.groups)
         req.num_computed_tokens = start + n
@@ -146,6 +174,19 @@ class KVCacheMachine(RuleBasedStateMachine):
         self._allocate(req, min(chunk, req.num_tokens - req.num_computed_tokens))
 
     @precondition(lambda self: self.running)
+    @rule()
+    def fill_pool(self):
+        """Admit a request (no lookup) that takes every free block: the next step of a running
+        request is refused, with its window's dead blocks still to free."""
+        n = min(self.mgr.num_free_blocks // len(self.groups) * self.bs, MAX_MODEL_LEN - 4)
+        if n < 1:
+            return
+        self.counter += 1
+        req = Request(f"r{self.counter}", [3] * n)
+        assert self._allocate(req, n)
+        self.running.append(req)
+
+    @precondition(lambda self: self.running)
     @rule(data=st.data())
     def preempt(self, data):
         req = data.draw(st.sampled_from(self.running))
@@ -160,6 +201,16 @@ class KVCacheMachine(RuleBasedStateMachine):
         req = data.draw(st.sampled_from(self.running))
         self.mgr.free(req)
         self.running.remove(req)
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data())
+    def abort_waiting(self, data):
+        """vLLM: freeing a request that holds no blocks is a no-op."""
+        req = data.draw(st.sampled_from(self.waiting))
+        before = snapshot(self.mgr)
+        self.mgr.free(req)
+        assert snapshot(self.mgr) == before
+        self.waiting.remove(req)
 
     @rule()
     def reset(self):
@@ -178,8 +229,9 @@ class KVCacheMachine(RuleBasedStateMachine):
             elif kind == 1 and self.running:
                 r = self.running[0]
                 self.mgr.allocate_slots(r, r.num_tokens - r.num_computed_tokens + 1)
-            elif kind == 2:
-                self.mgr.free(Request("nobody", [1]))
+            elif kind == 2 and self.running:
+                r = self.running[0]
+                self.mgr.free(Request(r.request_id, [1]))
             elif kind == 3 and self.running:
                 self.mgr.allocate_slots(self.running[0], 0)
             elif kind == 4 and self.running:

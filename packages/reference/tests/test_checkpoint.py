@@ -1,9 +1,11 @@
 """Checkpoint I/O, name matching, the SwiftKV conversion init rules, and bad checkpoints."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
+from swiftkv_reference import SwiftKVForCausalLM, checkpoint
 from swiftkv_reference.checkpoint import (
     CheckpointError,
     check_state_dict,
@@ -15,7 +17,12 @@ from swiftkv_reference.checkpoint import (
     save_checkpoint,
     swiftkv_init,
 )
-from swiftkv_reference.testing import random_state_dict, tiny_config, tiny_model
+from swiftkv_reference.testing import (
+    random_state_dict,
+    save_snowflake_checkpoint,
+    tiny_config,
+    tiny_model,
+)
 
 
 def _ids():
@@ -139,15 +146,181 @@ def test_bad_checkpoints(tmp_path):
         load_model(tmp_path / "other")
 
 
-def test_pickle_only_with_weights_only(tmp_path):
-    config = tiny_config()
+def _pickle_conversion_code(message: str) -> str:
+    line = message.split("Convert them to safetensors once: ", 1)[1]
+    assert line.startswith("cd ") and ' && python -c "' in line and line.endswith('"')
+    return line.split(' && python -c "', 1)[1][:-1]
+
+
+def test_pickle_is_refused_with_a_one_line_conversion(tmp_path, monkeypatch):
+    config = tiny_config(tie_word_embeddings=True)
     state = random_state_dict(config)
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied: shares storage, as HF saves it
+    up = "model.layers.0.mlp.up_proj.weight"
+    state[up] = state[up].t().contiguous().t()  # not contiguous
     config.save(tmp_path)
     torch.save(state, tmp_path / "pytorch_model.bin")
+    monkeypatch.setattr(torch, "load", None)  # never called
+    with pytest.raises(CheckpointError, match=r"only pickle files \['pytorch_model.bin'\].*never") as e:
+        load_model(tmp_path)
+    monkeypatch.undo()
+    assert "\n" not in str(e.value) and f"cd {tmp_path} && python -c" in str(e.value)
+    monkeypatch.chdir(tmp_path)
+    exec(_pickle_conversion_code(str(e.value)), {})  # the line the error prints, as a user runs it
     assert torch.equal(load_model(tmp_path)(_ids()), tiny_model(config)(_ids()))
-    torch.save({"x": object()}, tmp_path / "pytorch_model.bin")
-    with pytest.raises(Exception, match="[Ww]eights only"):
+    # sharded pickles: one line over all shards; other pickles (training_args.bin) are left out
+    (tmp_path / "model.safetensors").unlink()
+    (tmp_path / "pytorch_model.bin").unlink()
+    names = list(state)
+    torch.save({k: state[k] for k in names[:5]}, tmp_path / "pytorch_model-00001-of-00002.bin")
+    torch.save({k: state[k] for k in names[5:]}, tmp_path / "pytorch_model-00002-of-00002.bin")
+    torch.save({"lr": 0.1}, tmp_path / "training_args.bin")
+    with pytest.raises(CheckpointError) as e:
         load_state_dict(tmp_path)
+    exec(_pickle_conversion_code(str(e.value)), {})
+    assert torch.equal(load_model(tmp_path)(_ids()), tiny_model(config)(_ids()))
+
+
+def test_a_snowflake_checkpoint_with_l_equal_n_loads(tmp_path):
+    """Snowflake's LlamaSwiftKVModel always creates norm_swiftkv; at L == N it is saved but unused."""
+    plain = tiny_config(num_hidden_layers=4)
+    state = save_snowflake_checkpoint(tmp_path, plain, seed=3)
+    assert "model.norm_swiftkv.weight" in load_state_dict(tmp_path)
+    config = load_config(tmp_path)
+    assert (config.model_type, config.num_key_value_layers, config.is_swiftkv) == ("llama_swiftkv", 4, False)
+    model = SwiftKVForCausalLM(plain)
+    model.load_state_dict(state)
+    assert torch.equal(load_model(tmp_path)(_ids()), model.eval()(_ids()))
+
+
+def _stale_sharded(path, seed):
+    config = tiny_config(num_hidden_layers=4)
+    save_checkpoint(path, config, random_state_dict(config, seed=seed), max_shard_bytes=40_000)
+    (path / "tokenizer.json").write_text('{"stale": true}')
+    return config
+
+
+def _snapshot(path):
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+def test_convert_refuses_a_non_empty_output_and_overwrite_replaces_it(tmp_path):
+    plain = tiny_config(num_hidden_layers=4)
+    save_checkpoint(tmp_path / "src", plain, random_state_dict(plain, seed=1))
+    dst = tmp_path / "dst"
+    _stale_sharded(dst, seed=9)
+    before = _snapshot(dst)
+    with pytest.raises(CheckpointError, match="not empty.*overwrite"):
+        convert_to_swiftkv(tmp_path / "src", dst, num_key_value_layers=2)
+    assert _snapshot(dst) == before
+    assert convert_to_swiftkv(tmp_path / "src", dst, num_key_value_layers=2, overwrite=True) == dst
+    assert sorted(p.name for p in dst.iterdir()) == ["config.json", "model.safetensors"]
+    assert dst.stat().st_mode == (tmp_path / "src").stat().st_mode  # not a private temporary's 0700
+    fresh = convert_to_swiftkv(tmp_path / "src", tmp_path / "fresh", num_key_value_layers=2)
+    assert torch.equal(load_model(dst)(_ids()), load_model(fresh)(_ids()))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "fresh", "src"]  # no temporary left
+    # an empty directory needs no overwrite; a non-checkpoint directory is never replaced
+    (tmp_path / "empty").mkdir()
+    convert_to_swiftkv(tmp_path / "src", tmp_path / "empty", num_key_value_layers=2)
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="no config.json"):
+        convert_to_swiftkv(tmp_path / "src", tmp_path / "home", num_key_value_layers=2, overwrite=True)
+    assert (tmp_path / "home" / "notes.txt").read_text() == "mine"
+
+
+def test_convert_never_writes_its_source(tmp_path, monkeypatch):
+    plain = tiny_config(num_hidden_layers=4)
+    src = tmp_path / "models" / "src"
+    save_checkpoint(src, plain, random_state_dict(plain, seed=1))
+    before = _snapshot(src)
+    (tmp_path / "link").symlink_to(src)
+    monkeypatch.chdir(tmp_path / "models")
+    for dst in [src, "src", "./src/", tmp_path / "link", tmp_path / "models" / ".." / "models" / "src"]:
+        with pytest.raises(CheckpointError, match="same directory"):
+            convert_to_swiftkv(src, dst, num_key_value_layers=2, overwrite=True)
+    with pytest.raises(CheckpointError, match="contains the source"):
+        convert_to_swiftkv(src, tmp_path / "models", num_key_value_layers=2, overwrite=True)
+    assert _snapshot(src) == before
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["src"]
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_crashed_convert_leaves_the_destination_untouched(tmp_path, monkeypatch, existing):
+    plain = tiny_config(num_hidden_layers=4)
+    save_checkpoint(tmp_path / "src", plain, random_state_dict(plain, seed=1))
+    dst = tmp_path / "dst"
+    if existing:
+        _stale_sharded(dst, seed=9)
+    before = _snapshot(dst) if existing else None
+
+    def crash(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"half a file")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "save_file", crash)
+    with pytest.raises(OSError, match="No space"):
+        convert_to_swiftkv(tmp_path / "src", dst, num_key_value_layers=2, overwrite=True)
+    if existing:
+        assert _snapshot(dst) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["dst", "src"] if existing else ["src"])
+
+
+def test_a_directory_with_both_layouts_is_refused(tmp_path):
+    config = _stale_sharded(tmp_path, seed=0)
+    from safetensors.torch import save_file
+
+    save_file(random_state_dict(config, seed=1), str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"both model\.safetensors and model\.safetensors\.index\.json"):
+        load_state_dict(tmp_path)
+
+
+def _write(path, content):
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+
+
+def _config_with(**changes):
+    return lambda path: _write(path, json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+SHARDED, CONFIG, SINGLE, INDEX = 300_000, "config.json", "model.safetensors", "model.safetensors.index.json"
+
+
+@pytest.mark.parametrize(
+    "layout,damage,file,match",
+    [
+        (None, _truncate, SINGLE, "not a valid safetensors file"),
+        (None, lambda p: _write(p, "garbage"), SINGLE, "not a valid safetensors file"),
+        (None, lambda p: _write(p, "{'model_type': 'llama'"), CONFIG, "not valid JSON"),
+        (None, lambda p: _write(p, b"\xff\xfe\x00"), CONFIG, "not valid JSON"),
+        (None, lambda p: _write(p, "[1, 2]"), CONFIG, "must hold a JSON object, got a list"),
+        (None, _config_with(rms_norm_eps="x"), CONFIG, "wrong type"),
+        (None, _config_with(model_type="qwen2", layer_types=5), CONFIG, "wrong type"),
+        (None, _config_with(rope_parameters=[1], rope_scaling=[2]), CONFIG, "rope_scaling must be"),
+        (None, _config_with(num_hidden_layers="4"), CONFIG, "num_hidden_layers must be"),
+        (None, _config_with(model_type="gpt2"), CONFIG, "unsupported model_type"),
+        (SHARDED, _truncate, "model-00001-of-00002.safetensors", "not a valid safetensors file"),
+        (SHARDED, lambda p: _write(p, "not json"), INDEX, "not valid JSON"),
+        (SHARDED, lambda p: _write(p, "[]"), INDEX, "JSON object, got a list"),
+        (SHARDED, lambda p: _write(p, "{}"), INDEX, "'weight_map' must be.*got nothing"),
+        (SHARDED, lambda p: _write(p, '{"weight_map": ["a"]}'), INDEX, "weight_map"),
+        (SHARDED, lambda p: _write(p, '{"weight_map": {"x": 3}}'), INDEX, "file names"),
+        (SHARDED, lambda p: p.unlink(), "model-00002-of-00002.safetensors", "is missing"),
+    ],
+)
+def test_unreadable_files_are_named(tmp_path, layout, damage, file, match):
+    config = tiny_config()
+    save_checkpoint(tmp_path, config, random_state_dict(config), max_shard_bytes=layout)
+    if layout:
+        assert (tmp_path / "model-00002-of-00002.safetensors").is_file()
+    damage(tmp_path / file)
+    with pytest.raises(ValueError, match=match) as e:
+        load_model(tmp_path)
+    assert file in str(e.value)
 
 
 def test_tied_checkpoint_with_a_redundant_lm_head(tmp_path):

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from swiftkv_reference.checkpoint import swiftkv_init
 from swiftkv_reference.model import SwiftKVForCausalLM
 from swiftkv_reference.rope import rope_inv_freq
-from swiftkv_reference.testing import random_state_dict, tiny_config, tiny_model
+from swiftkv_reference.testing import fp32_atol, random_state_dict, tiny_config, tiny_model
 
 N = 6
 
@@ -79,7 +79,8 @@ def test_matches_independent_derivation(big_l, g):
     state = random_state_dict(config, seed=1)
     ids = _ids()
     ours = _model(config, state)(ids)
-    assert (ours - _independent_swiftkv_logits(config, state, ids)).abs().max() <= 1e-4
+    want = _independent_swiftkv_logits(config, state, ids)
+    assert (ours - want).abs().max() <= fp32_atol(want, N)
     # sensitivity: using layer L's input_layernorm instead of norm_swiftkv changes the answer
     wrong = dict(state)
     wrong["model.norm_swiftkv.weight"] = state[f"model.layers.{big_l}.input_layernorm.weight"]
@@ -161,7 +162,7 @@ def test_early_exit_equals_full_forward(overrides):
     ids = _ids(30)
     full = model(ids)
     for positions in ([29], [0, 7, 29], list(range(30))):
-        assert (model(ids, logits_positions=positions) - full[positions]).abs().max() <= 1e-5
+        assert (model(ids, logits_positions=positions) - full[positions]).abs().max() <= fp32_atol(full, N)
 
 
 def test_acrosskv_members_share_one_cache():
@@ -186,5 +187,6 @@ def test_acrosskv_members_share_one_cache():
             state1[f"model.layers.{follower}.self_attn.{proj}.weight"] = state[
                 f"model.layers.{leader}.self_attn.{proj}.weight"
             ]
-    assert (model(ids) - _model(g1, state1)(ids)).abs().max() <= 1e-5
+    want = _model(g1, state1)(ids)
+    assert (model(ids) - want).abs().max() <= fp32_atol(want, N)
     assert model.new_cache(swiftkv=False).num_layers == N

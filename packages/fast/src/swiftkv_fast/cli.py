@@ -3,11 +3,16 @@
 swiftkv generate --prompt "What is the capital of France?" --chat --temperature 0
 echo "Once upon a time" | swiftkv generate --num-key-value-layers 15 --max-tokens 64
 swiftkv convert path/to/llama path/to/llama-swiftkv --num-key-value-layers 16
+swiftkv distill out/smollm2-swiftkv --num-key-value-layers 15     # with swiftkv-distill installed
+
+A user error (a bad flag value, a missing file, a checkpoint that cannot be read) prints one line,
+`swiftkv: error: ...`, on stderr and exits with status 2; anything else is a bug and shows its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -89,33 +94,61 @@ def _add_convert(sub) -> None:
         help="turn a plain Llama/Mistral/Qwen2 checkpoint into a SwiftKV checkpoint",
         description="Write a SwiftKV checkpoint initialised as Snowflake's trainer does (norm_swiftkv from "
         "layer L's input norm, q_proj_swiftkv from q_proj, k/v_proj_swiftkv as the group mean). The result "
-        "runs as is, but its quality needs distillation.",
+        "runs as is, but its quality needs distillation. The output is written into a temporary directory "
+        "next to DST and renamed into place at the end, so an interrupted conversion leaves nothing behind; "
+        "the source is never modified.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("src", type=Path, help="plain checkpoint directory (config.json + *.safetensors)")
-    p.add_argument("dst", type=Path, help="output directory")
-    p.add_argument("--num-key-value-layers", type=int, required=True, help="SwiftKV L")
-    p.add_argument("--key-value-group-size", type=int, default=1, help="AcrossKV G")
+    p.add_argument(
+        "src", type=Path, metavar="SRC", help="plain checkpoint directory (config.json + *.safetensors)"
+    )
+    p.add_argument(
+        "dst", type=Path, metavar="DST", help="output directory (must not exist, or be empty; not SRC)"
+    )
+    p.add_argument(
+        "--num-key-value-layers",
+        type=int,
+        required=True,
+        default=argparse.SUPPRESS,
+        metavar="L",
+        help="SwiftKV L: layers >= L take their KV from layer L's input (1 <= L < the model's layers)",
+    )
+    p.add_argument(
+        "--key-value-group-size",
+        type=int,
+        default=1,
+        metavar="G",
+        help="AcrossKV G: layers >= L sharing one KV cache (must divide the number of layers - L)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace DST and everything in it when it already holds a checkpoint (a config.json)",
+    )
     p.set_defaults(func=_convert)
 
 
 def _read_prompts(args) -> list[str]:
     prompts = list(args.prompt)
     if args.prompts_file:
-        prompts += [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
+        try:
+            text = args.prompts_file.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise ValueError(f"--prompts-file {args.prompts_file}: {reason}") from e
+        prompts += [line for line in text.splitlines() if line.strip()]
     if not prompts:
         if sys.stdin.isatty():
             print("reading prompts from stdin, one per line (Ctrl-D to end)", file=sys.stderr)
         prompts = [line for line in sys.stdin.read().splitlines() if line.strip()]
     if not prompts:
-        raise SystemExit("no prompts: use --prompt, --prompts-file or stdin")
+        raise ValueError("no prompts: use --prompt, --prompts-file or stdin")
     return prompts
 
 
 def _generate(args) -> None:
     from swiftkv_fast import LLM, SamplingParams
 
-    prompts = _read_prompts(args)
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -126,6 +159,7 @@ def _generate(args) -> None:
         stop=args.stop,
         ignore_eos=args.ignore_eos,
     )
+    prompts = _read_prompts(args)
     llm = LLM(
         args.model,
         num_key_value_layers=args.num_key_value_layers,
@@ -160,7 +194,9 @@ def _generate(args) -> None:
 def _convert(args) -> None:
     from swiftkv_reference.checkpoint import convert_to_swiftkv
 
-    dst = convert_to_swiftkv(args.src, args.dst, args.num_key_value_layers, args.key_value_group_size)
+    dst = convert_to_swiftkv(
+        args.src, args.dst, args.num_key_value_layers, args.key_value_group_size, overwrite=args.overwrite
+    )
     print(f"wrote {dst}")
 
 
@@ -173,17 +209,54 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
     _add_convert(sub)
+    for name, what in TRAINING_COMMANDS.items():  # listed here, run by swiftkv_distill (see main)
+        sub.add_parser(name, help=what, add_help=False).set_defaults(func=_training_command)
     return parser
 
 
+# Commands that live in the optional swiftkv-distill package: `main` hands their whole command line to
+# it, so generating and serving never import training code.
+TRAINING_COMMANDS = {
+    "distill": "make SwiftKV weights for a plain checkpoint (needs swiftkv-distill)",
+    "eval": "compare a SwiftKV checkpoint with its teacher (needs swiftkv-distill)",
+}
+
+
+def _training_command(args) -> None:
+    raise ValueError(
+        f"'swiftkv {args.command}' needs the swiftkv-distill package: pip install swiftkv-distill "
+        "(from this repository: pip install packages/distill)"
+    )
+
+
+# What our checks raise for bad input (ConfigError and CheckpointError are ValueErrors; OSError covers a
+# missing or unreadable file). Any other exception is a bug and keeps its traceback (argparse types
+# every flag, so a TypeError from here is one of ours).
+USER_ERRORS = (ValueError, OSError)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in TRAINING_COMMANDS and importlib.util.find_spec("swiftkv_distill") is not None:
+        from swiftkv_distill.cli import main as training_main
+
+        return training_main(argv)
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except ValueError as e:
-        print(f"swiftkv: error: {e}", file=sys.stderr)
+    except USER_ERRORS as e:
+        print(f"swiftkv: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("swiftkv: interrupted", file=sys.stderr)
+        return 130
     return 0
+
+
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror and e.filename:  # raised by the OS: name the file
+        return f"{e.strerror}: {e.filename}"
+    return " ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
 
 
 if __name__ == "__main__":

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from swiftkv_fast.attention import BACKENDS
 from swiftkv_fast.attention.flash_backend import FlashAttnBackend
+from swiftkv_fast.kernels._common import interpreting
 
 DTYPES = {
     "float32": torch.float32,
@@ -40,9 +42,11 @@ class EngineConfig:
     return_logits: bool = False  # keep the fp32 logits row of every sampled token on the output
 
     def __post_init__(self) -> None:
+        """Every check that needs no checkpoint: a bad value is a ValueError (a wrong type a TypeError)
+        naming the field, before any weight is read or memory allocated."""
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         for name in (
             "num_kv_blocks",
@@ -52,8 +56,13 @@ class EngineConfig:
             "key_value_group_size",
         ):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (not _is_int(value) or value < 1):
                 raise ValueError(f"{name} must be None or a positive int, got {value!r}")
+        for name in ("enable_prefix_caching", "enforce_eager", "return_logits"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not _is_int(self.seed):
+            raise TypeError(f"seed must be an int, got {self.seed!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(
                 f"num_kv_blocks must be >= 2 (block 0 is the null block), got {self.num_kv_blocks}"
@@ -62,9 +71,35 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         if self.attention_backend == "flash_attn":  # before any loading or allocation
             FlashAttnBackend.validate_block_size(self.block_size)
+        self._check_device()
+        self._check_dtype()
+        self._check_backend()
+        if self.kv_cache_memory is not None:
+            self.check_kv_cache_fits(self.kv_cache_memory, "kv_cache_memory")
+        if self.model is not None:
+            if not isinstance(self.model, (str, os.PathLike)):
+                raise TypeError(f"model must be a checkpoint directory path or None, got {self.model!r}")
+            self.model = os.fspath(self.model)
+
+    def _check_device(self) -> None:
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        torch.device(self.device)  # raises on a bad name
+        if not isinstance(self.device, (str, torch.device)):
+            raise TypeError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        try:
+            dev = torch.device(self.device)
+        except RuntimeError as e:
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}") from e
+        if dev.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if count == 0 or (dev.index is not None and dev.index >= count):
+                have = f"{count} CUDA device(s)" if count else "no CUDA (torch.cuda.is_available() is False)"
+                raise ValueError(f"device={str(self.device)!r}, but this machine has {have}; use 'cpu'")
+        elif dev.type != "cpu":
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        self.device = str(dev)
+
+    def _check_dtype(self) -> None:
         if isinstance(self.dtype, str):
             if self.dtype == "auto":
                 self.dtype = torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
@@ -72,5 +107,46 @@ class EngineConfig:
                 self.dtype = DTYPES[self.dtype]
             else:
                 raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.model is not None:
-            self.model = str(self.model)
+        elif not isinstance(self.dtype, torch.dtype) or self.dtype not in DTYPES.values():
+            raise ValueError(
+                f"dtype must be 'auto', one of {sorted(DTYPES)} or torch.float32 / bfloat16 / float16, "
+                f"got {self.dtype!r}"
+            )
+
+    def _check_backend(self) -> None:
+        on_cuda = torch.device(self.device).type == "cuda"
+        if self.attention_backend == "flash_attn" and not on_cuda:
+            raise ValueError(
+                f"attention_backend='flash_attn' needs a CUDA device, got device={self.device!r}; "
+                "use 'torch' or 'triton'"
+            )
+        if self.attention_backend == "triton" and not on_cuda and not interpreting():
+            raise ValueError(
+                "attention_backend='triton' on CPU needs TRITON_INTERPRET=1 set before importing "
+                "swiftkv_fast (the interpreter, for tests); use 'torch'"
+            )
+
+    def check_kv_cache_fits(self, num_bytes: int, what: str) -> None:
+        """ValueError unless `num_bytes` of KV cache fit in the device's memory (CUDA: its total memory,
+        CPU: physical RAM). `what` names the setting in the message."""
+        total = device_memory_bytes(self.device)
+        if total is not None and num_bytes > total:
+            raise ValueError(
+                f"{what} needs {num_bytes} bytes ({num_bytes / 2**30:.1f} GiB) of KV cache, more than the "
+                f"{total / 2**30:.1f} GiB of {self.device} memory"
+            )
+
+
+def device_memory_bytes(device: str | torch.device) -> int | None:
+    """Total memory of a CUDA device, or the machine's physical RAM for the CPU; None when unknown."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.mem_get_info(dev)[1]
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name
+        return None
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

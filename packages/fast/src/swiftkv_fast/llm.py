@@ -8,27 +8,42 @@
 
 `LLM(..., return_logits=True)` keeps the fp32 logits row of every sampled token on
 `outputs[0].logits` (num_tokens, vocab): the conformance suite compares them with the reference.
+
+One call at a time: an `LLM` serves one `generate`/`chat` call at a time. A second call while one
+runs (from another thread, or re-entered from inside one) raises RuntimeError at once and changes
+nothing; use one `LLM` per thread.
+
+Every prompt and parameter of a call is checked (swiftkv_fast.inputs) before any request is added:
+a call with one bad request raises (naming the request and field) and adds nothing.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from tqdm.auto import tqdm
 
 from swiftkv_fast.config import EngineConfig
-from swiftkv_fast.engine.llm_engine import LLMEngine
+from swiftkv_fast.engine.llm_engine import LLMEngine, kv_cache_groups
 from swiftkv_fast.engine.request import Request
+from swiftkv_fast.inputs import (
+    PromptType,
+    is_single_prompt,
+    parse_conversations,
+    parse_prompt,
+    validate_request,
+)
 from swiftkv_fast.logger import init_logger
 from swiftkv_fast.model.loader import apply_swiftkv_options, load_checkpoint
 from swiftkv_fast.outputs import CompletionOutput, RequestOutput
-from swiftkv_fast.sampling_params import SamplingParams
+from swiftkv_fast.sampling_params import SamplingParams, describe
+from swiftkv_fast.worker.kv_cache import bytes_per_block
 
 logger = init_logger(__name__)
-
-PromptType = str | list[int] | dict
 
 
 class LLM:
@@ -39,7 +54,7 @@ class LLM:
         )
         if tokenizer is None:
             tokenizer = _try_load_tokenizer(model_dir)
-        self.llm_engine = LLMEngine(econf, config, state_dict, tokenizer)
+        self._start(econf, config, state_dict, tokenizer)
 
     @classmethod
     def from_state_dict(cls, config, state_dict, tokenizer=None, **kwargs) -> LLM:
@@ -49,8 +64,18 @@ class LLM:
             config, state_dict, econf.num_key_value_layers, econf.key_value_group_size
         )
         self = cls.__new__(cls)
-        self.llm_engine = LLMEngine(econf, config, state_dict, tokenizer)
+        self._start(econf, config, state_dict, tokenizer)
         return self
+
+    def _start(self, econf: EngineConfig, config, state_dict, tokenizer) -> None:
+        if econf.num_kv_blocks is not None:  # the model fixes a block's size: checked before allocating
+            per_block = bytes_per_block(
+                config, econf.block_size, econf.dtype, kv_cache_groups(config, econf.block_size)[1]
+            )
+            what = f"num_kv_blocks={econf.num_kv_blocks} ({per_block} bytes each)"
+            econf.check_kv_cache_fits(econf.num_kv_blocks * per_block, what)
+        self.llm_engine = LLMEngine(econf, config, state_dict, tokenizer)
+        self._busy = threading.Lock()  # held by the one generate/chat call in progress
 
     @property
     def tokenizer(self):
@@ -65,50 +90,6 @@ class LLM:
         ``cuda_graph_capture_s``, ``num_preemptions`` (see LLMEngine.get_stats)."""
         return self.llm_engine.get_stats()
 
-    # ---- prompts -------------------------------------------------------------------------------
-
-    def _to_token_ids(self, i: int, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError(f"request {i}: a dict prompt needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError(f"request {i}: prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError(f"request {i}: a text prompt needs a tokenizer; pass token ids instead")
-            return prompt, list(self.tokenizer(prompt)["input_ids"])
-        ids = list(prompt)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError(f"request {i}: prompt_token_ids must be ints")
-        return None, ids
-
-    def _validate(self, i: int, ids: list[int], params: SamplingParams) -> None:
-        vocab, max_len = self.config.vocab_size, self.llm_engine.econf.max_model_len
-        if not ids:
-            raise ValueError(f"request {i}: prompt is empty (0 tokens)")
-        if len(ids) > max_len:
-            raise ValueError(f"request {i}: prompt has {len(ids)} tokens, more than max_model_len={max_len}")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(
-                f"request {i}: prompt_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})"
-            )
-        if not isinstance(params, SamplingParams):
-            raise ValueError(
-                f"request {i}: sampling_params must be SamplingParams, got {type(params).__name__}"
-            )
-        try:
-            params.validate()
-        except ValueError as e:
-            raise ValueError(f"request {i}: sampling_params.{e}") from None
-        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"request {i}: sampling_params.stop_token_ids {bad} are outside the vocabulary")
-
     # ---- generation ----------------------------------------------------------------------------
 
     def generate(
@@ -118,41 +99,77 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Outputs in input order. Every prompt and parameter is checked before any work starts."""
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        with self._one_call():
+            return self._generate(prompts, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: str | list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or a list of them, through the chat template.
+        A str is one conversation of one user message. Request i is conversation i."""
+        with self._one_call():
+            if self.tokenizer is None:
+                raise ValueError("chat needs a tokenizer")
+            from swiftkv_reference.tokenizer import chat_token_ids
+
+            prompts = []
+            for i, conv in enumerate(parse_conversations(messages)):
+                try:
+                    prompts.append({"prompt_token_ids": chat_token_ids(self.tokenizer, conv)})
+                except Exception as e:  # the template's own checks (roles, order): name the conversation
+                    raise ValueError(f"conversation {i}: applying the chat template failed: {e}") from e
+            return self._generate(prompts, sampling_params, use_tqdm)
+
+    @contextmanager
+    def _one_call(self) -> Iterator[None]:
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(
+                "this LLM is already running a generate/chat call (in another thread, or re-entered "
+                "from inside one): an LLM serves one call at a time; use one LLM per thread"
+            )
+        try:
+            yield
+        finally:
+            self._busy.release()
+
+    def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        inputs = self._check_inputs(prompts, sampling_params)
+        reqs: list[Request] = []
+        try:
+            for text, ids, params in inputs:
+                reqs.append(self.llm_engine.add_request(ids, params, prompt=text))
+        except BaseException:  # (a Ctrl-C) the call adds nothing
+            self.llm_engine.abort_all()
+            raise
+        self._run(reqs, use_tqdm)
+        return [_to_output(r) for r in reqs]
+
+    def _check_inputs(self, prompts, sampling_params) -> list[tuple[str | None, list[int], SamplingParams]]:
+        """Every request of the call, parsed and validated: -> [(text, token ids, params)]."""
+        prompts = [prompts] if is_single_prompt(prompts) else list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
-        sampling_params = list(sampling_params)
+        elif isinstance(sampling_params, (list, tuple)):
+            sampling_params = list(sampling_params)
+        else:
+            raise TypeError(
+                "sampling_params must be a SamplingParams, a list of them (one per prompt) or None, got "
+                f"{describe(sampling_params)}"
+            )
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling_params")
+        vocab, max_len = self.config.vocab_size, self.llm_engine.econf.max_model_len
         inputs = []
         for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
-            text, ids = self._to_token_ids(i, prompt)
-            self._validate(i, ids, params)
+            text, ids = parse_prompt(i, prompt, self.tokenizer)
+            validate_request(i, ids, params, vocab, max_len, self.tokenizer is not None)
             inputs.append((text, ids, params))
-        reqs = [self.llm_engine.add_request(ids, params, prompt=text) for text, ids, params in inputs]
-        self._run(reqs, use_tqdm)
-        return [_to_output(r) for r in reqs]
-
-    def chat(
-        self,
-        messages: list[dict] | list[list[dict]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
-    ) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"}) or a list of them, through the chat template."""
-        if self.tokenizer is None:
-            raise ValueError("chat needs a tokenizer")
-        from swiftkv_reference.tokenizer import chat_token_ids
-
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": chat_token_ids(self.tokenizer, conv)} for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return inputs
 
     def _run(self, reqs: list[Request], use_tqdm: bool) -> None:
         engine = self.llm_engine

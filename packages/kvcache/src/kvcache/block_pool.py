@@ -85,6 +85,12 @@ class BlockPool:
             else:
                 prev[block.block_id] = block  # type: ignore[index]
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Remove a cached block from the prefix cache (its data is not what its hash says)."""
+        if block.block_hash is None:
+            raise RuntimeError(f"{block} is not cached")
+        self._evict(block)
+
     def _evict(self, block: KVCacheBlock) -> None:
         cache = self.cached_block_hash_to_block[block.group_id]
         block_hash = block.block_hash

@@ -58,10 +58,14 @@ class KVCacheManager:
     4. ``free(req)`` on finish or preemption (then reset ``num_computed_tokens`` to 0).
 
     ``allocate_slots`` returns the newly allocated block ids per group, or None when
-    the pool cannot serve the step. None changes nothing at all: no block taken, no
-    reference count moved, and the sliding-window skip is not applied either (it
-    is applied on the next successful call; blocks it would free count as
-    available, so the answer is the same as vLLM's, which frees them first).
+    the pool cannot serve the step. As in vLLM, a running request's call first
+    frees what its sliding windows no longer need (on the basis of its computed
+    tokens), and that stays done even when the call then returns None: a request
+    waiting for memory holds no block it will never read again. Apart from that
+    skip, None changes nothing: no block taken, no hit block touched, nothing
+    cached (a new request's refused admission changes nothing at all).
+    ``free`` of a request that holds no blocks (a waiting request that is aborted)
+    does nothing.
 
     Groups: every group must have the same ``block_size`` (one hash chain per
     request serves all groups; mixed sizes raise ``ValueError``). A hit in a hybrid
@@ -199,13 +203,13 @@ class KVCacheManager:
     ) -> tuple[list[int], ...] | None:
         """Make room for ``num_new_tokens`` tokens after the computed ones (and the hit).
 
-        Order (vLLM): drop the blocks the sliding window no longer needs (on the
-        basis of ``request.num_computed_tokens`` before this step), take the hit
-        blocks, allocate the missing blocks, then register every full block being
+        Order (vLLM): drop and free the blocks the sliding window no longer needs
+        (on the basis of ``request.num_computed_tokens`` before this step), take the
+        hit blocks, allocate the missing blocks, then register every full block being
         computed in the prefix cache (blocks are cached when scheduled).
 
-        Returns the new block ids per group, or None if the pool is too small now
-        (nothing changed).
+        Returns the new block ids per group, or None if the pool is too small now:
+        then the skipped blocks stay freed and nothing else changed.
         """
         if not isinstance(request, Request):
             raise TypeError(f"expected a Request, got {type(request).__name__}")
@@ -226,20 +230,18 @@ class KVCacheManager:
         if total_computed > len(request.all_token_ids) or total > self.max_model_len:
             self._check_lengths(request, num_computed, 0, num_new_tokens, num_lookahead_tokens)
         managers = self.managers
+        if num_computed:
+            for m in self._skipping_managers:
+                removed = m.remove_skipped_blocks(m.req_to_blocks[rid], num_computed)
+                if removed:
+                    self.block_pool.free_blocks(removed)
         need = 0
         for m in managers:
             n = -(-total // m.block_size) - len(m.req_to_blocks[rid])
             if n > 0:
                 need += n
         if need > self.block_pool.free_block_queue.num_free_blocks:
-            num_freed = sum(m.num_freed_by_skip(rid, num_computed) for m in self._skipping_managers)
-            if need > self.block_pool.free_block_queue.num_free_blocks + num_freed:
-                return None
-        if num_computed:
-            for m in self._skipping_managers:
-                removed = m.remove_skipped_blocks(m.req_to_blocks[rid], num_computed)
-                if removed:
-                    self.block_pool.free_blocks(removed)
+            return None
         if need:
             new_ids = tuple([b.block_id for b in m.allocate_new_blocks(rid, total)] for m in managers)
         elif len(managers) == 1:
@@ -355,16 +357,46 @@ class KVCacheManager:
         return tuple([b.block_id for b in table] for table in self.get_blocks(request_id))
 
     def free(self, request: Request | str) -> None:
-        """Release every block of a finished or preempted request (tables in reverse)."""
+        """Release every block of a finished or preempted request (tables in reverse).
+
+        A request that holds no blocks (never admitted, or already freed) is a no-op, as
+        in vLLM; a different ``Request`` whose id another request holds raises."""
         rid = request if isinstance(request, str) else request.request_id
         held = self._requests.get(rid)
         if held is None:
-            raise KeyError(f"unknown request id {rid!r}: it holds no blocks")
+            return
         if not isinstance(request, str) and held is not request:
             raise ValueError(f"duplicate request id {rid!r}: another request with this id holds blocks")
         del self._requests[rid]
         for m in self.managers:
             m.free(rid)
+
+    def uncache_unwritten_blocks(self, request: Request, num_written_tokens: int) -> int:
+        """Forget the prefix-cache entries of the request's blocks past its first
+        ``num_written_tokens`` tokens; returns how many blocks were uncached.
+
+        Blocks are cached when scheduled, before the model writes their K/V. When the
+        step fails (an exception, an interrupt), the blocks it registered hold no valid
+        K/V and must never be hit: call this with the request's computed tokens before
+        that step, for every request of the step, before ``free``. Example (block size
+        4): a running request with 6 computed tokens is scheduled 8 more; its blocks 1
+        and 2 (tokens 4..11) are registered; the step fails; with
+        ``num_written_tokens=6`` both are uncached (block 1 holds tokens 4..5, written
+        by an earlier step, but also 6..7, which were not). A block another request of
+        the same step hit is uncached too: that request failed with the step.
+        """
+        if type(num_written_tokens) is not int or num_written_tokens < 0:
+            _check_count("num_written_tokens", num_written_tokens, 0)
+        rid = request.request_id
+        held = self._requests.get(rid)
+        if held is None:
+            raise KeyError(f"unknown request id {rid!r}: it holds no blocks")
+        if held is not request:
+            raise ValueError(f"duplicate request id {rid!r}: another request with this id holds blocks")
+        num_uncached = 0
+        for m in self.managers:
+            num_uncached += m.uncache_blocks_from(rid, num_written_tokens // m.block_size)
+        return num_uncached
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; fails (False) while any request holds blocks."""

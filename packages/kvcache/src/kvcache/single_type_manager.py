@@ -112,15 +112,6 @@ class SingleTypeKVCacheManager:
                 num_evictable += 1
         return max(num_new, 0) + num_evictable
 
-    def num_freed_by_skip(self, request_id: str, num_computed_tokens: int) -> int:
-        """How many blocks ``remove_skipped_blocks`` on the request's table would return to
-        the free queue (no change made)."""
-        table = self.req_to_blocks.get(request_id)
-        if not table:
-            return 0
-        removed = self.remove_skipped_blocks(list(table), num_computed_tokens)
-        return sum(1 for block in removed if block.ref_cnt == 1)
-
     def add_request(self, request_id: str, hit_blocks: Sequence[KVCacheBlock]) -> None:
         """Start a table for a new request from its (already null-padded) hit blocks."""
         self.block_pool.touch(hit_blocks)
@@ -147,6 +138,21 @@ class SingleTypeKVCacheManager:
                 request.block_hashes, self.req_to_blocks[rid], num_cached, num_full, self.group_id
             )
             self.num_cached_block[rid] = num_full
+
+    def uncache_blocks_from(self, request_id: str, first_block: int) -> int:
+        """Uncache the request's registered table entries from index ``first_block`` on
+        (their K/V was never written); return how many blocks were uncached."""
+        num_cached = self.num_cached_block[request_id]
+        if first_block >= num_cached:
+            return 0
+        table = self.req_to_blocks[request_id]
+        num_uncached = 0
+        for block in table[first_block:num_cached]:
+            if not block.is_null and block.block_hash is not None:
+                self.block_pool.uncache(block)
+                num_uncached += 1
+        self.num_cached_block[request_id] = first_block
+        return num_uncached
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, last block first (tails are evicted before parents)."""

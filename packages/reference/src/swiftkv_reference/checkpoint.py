@@ -8,6 +8,10 @@ Parameter names are the Hugging Face / Snowflake ones (anchors/swiftkv-facts.md 
     SwiftKV (L < N): model.norm_swiftkv.weight, model.layers.{i}.self_attn.q_proj_swiftkv.* for i >= L,
     model.layers.{g}.self_attn.{k,v}_proj_swiftkv.* on AcrossKV group leaders g only.
 Names are compared as whole strings / whole dotted components: `k_proj` never matches `k_proj_swiftkv`.
+
+Pickle files (`pytorch_model.bin`, `*.pt`) are never loaded: unpickling can run code. The error says
+how to convert them to safetensors once. A converted checkpoint is written into a temporary sibling
+directory and renamed into place, so a crash never leaves half a checkpoint.
 """
 
 from __future__ import annotations
@@ -15,19 +19,24 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .config import SwiftKVConfig
+from .config import SwiftKVConfig, read_json_object
 
 logger = logging.getLogger(__name__)
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
-PICKLE = "pytorch_model.bin"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -112,9 +121,13 @@ def check_state_dict(config: SwiftKVConfig, state_dict: dict[str, torch.Tensor])
 def normalize_state_dict(
     config: SwiftKVConfig, state_dict: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """Drop what a loader may ignore: rotary buffers, and lm_head.weight of a tied model when it
-    equals the embedding (some exporters write it anyway)."""
+    """Drop what a loader may ignore: rotary buffers, lm_head.weight of a tied model when it equals
+    the embedding (some exporters write it anyway), and model.norm_swiftkv.weight at L == N (Snowflake's
+    LlamaSwiftKVModel always has it; without layers >= L nothing reads it)."""
     out = {k: v for k, v in state_dict.items() if k.split(".")[-2:] != ["rotary_emb", "inv_freq"]}
+    if not config.is_swiftkv and "model.norm_swiftkv.weight" in out:
+        logger.debug("dropping model.norm_swiftkv.weight: unused at L == N (%d)", config.num_hidden_layers)
+        del out["model.norm_swiftkv.weight"]
     if config.tie_word_embeddings and "lm_head.weight" in out:
         head, emb = out["lm_head.weight"], out.get("model.embed_tokens.weight")
         if emb is not None and head.shape == emb.shape and torch.equal(head, emb):
@@ -131,35 +144,89 @@ def load_state_dict(
     directory: str | os.PathLike, dtype: torch.dtype | None = torch.float32
 ) -> dict[str, torch.Tensor]:
     """All tensors of a model directory: `model.safetensors`, or the shards named by
-    `model.safetensors.index.json`; a `pytorch_model.bin` only through `torch.load(weights_only=True)`.
+    `model.safetensors.index.json` (a directory with both is refused: one of them is stale).
     Floating tensors are cast to `dtype` (None keeps them as stored)."""
     directory = Path(directory)
-    index_path = directory / SAFETENSORS_INDEX
-    if index_path.is_file():
-        weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
-        state: dict[str, torch.Tensor] = {}
-        for shard in sorted(set(weight_map.values())):
-            shard_path = directory / shard
-            if Path(shard).name != shard or not shard_path.is_file():
-                raise CheckpointError(f"shard {shard!r} named by {index_path} is missing")
-            tensors = load_file(str(shard_path))
-            listed = {k for k, f in weight_map.items() if f == shard}
-            if set(tensors) != listed:
-                raise CheckpointError(
-                    f"shard {shard} holds {sorted(set(tensors) - listed)} not in the index and lacks "
-                    f"{sorted(listed - set(tensors))}"
-                )
-            state.update(tensors)
-    elif (directory / SAFETENSORS).is_file():
-        state = load_file(str(directory / SAFETENSORS))
-    elif (directory / PICKLE).is_file():
-        logger.info("loading %s with torch.load(weights_only=True)", directory / PICKLE)
-        state = torch.load(directory / PICKLE, map_location="cpu", weights_only=True)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {directory} does not exist (or is not a directory)")
+    single, index = directory / SAFETENSORS, directory / SAFETENSORS_INDEX
+    if single.is_file() and index.is_file():
+        raise CheckpointError(
+            f"{directory} holds both {SAFETENSORS} and {SAFETENSORS_INDEX}: which weights are current is "
+            "ambiguous; delete the stale one"
+        )
+    if index.is_file():
+        state = _load_shards(index)
+    elif single.is_file():
+        state = _load_safetensors(single)
     else:
-        raise CheckpointError(f"no {SAFETENSORS}, {SAFETENSORS_INDEX} or {PICKLE} in {directory}")
+        raise CheckpointError(_no_safetensors_message(directory))
     if dtype is not None:
         state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
     return state
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except SafetensorError as e:
+        raise CheckpointError(
+            f"{path} is not a valid safetensors file (truncated or corrupt?): {e}"
+        ) from None
+
+
+def _load_shards(index_path: Path) -> dict[str, torch.Tensor]:
+    weight_map = read_json_object(index_path, CheckpointError).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        got = "nothing" if weight_map is None else repr(weight_map)[:80]
+        raise CheckpointError(
+            f"{index_path}: 'weight_map' must be a non-empty object mapping tensor names to shard file "
+            f"names, got {got}"
+        )
+    bad = {k: f for k, f in weight_map.items() if not isinstance(f, str)}
+    if bad:
+        raise CheckpointError(f"{index_path}: 'weight_map' values must be file names, got {bad}"[:300])
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        shard_path = index_path.parent / shard
+        if Path(shard).name != shard:
+            raise CheckpointError(f"{index_path} names shard {shard!r}, which is not a file name")
+        if not shard_path.is_file():
+            raise CheckpointError(f"shard {shard!r} named by {index_path} is missing")
+        tensors = _load_safetensors(shard_path)
+        listed = {k for k, f in weight_map.items() if f == shard}
+        if set(tensors) != listed:
+            raise CheckpointError(
+                f"shard {shard_path} holds {sorted(set(tensors) - listed)} not in the index and lacks "
+                f"{sorted(listed - set(tensors))}"
+            )
+        state.update(tensors)
+    return state
+
+
+def _no_safetensors_message(directory: Path) -> str:
+    found = f"no {SAFETENSORS} or {SAFETENSORS_INDEX} in {directory}"
+    pickles = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file())
+    weights = [name for name in pickles if name.startswith("pytorch_model")] or pickles
+    if not weights:
+        return found
+    return (
+        f"{found}, only pickle files {pickles}, which are never loaded (unpickling can run code). "
+        f"Convert them to safetensors once: {_pickle_conversion_command(directory, weights)}"
+    )
+
+
+def _pickle_conversion_command(directory: Path, files: list[str]) -> str:
+    """A shell line that writes `model.safetensors` from pickled state dicts (tensors only:
+    weights_only=True; cloned, so tied weights that share storage become separate contiguous tensors)."""
+    code = (
+        "import torch; from safetensors.torch import save_file; "
+        f"sd = {{k: v.contiguous().clone() for f in {files!r} "
+        "for k, v in torch.load(f, map_location='cpu', weights_only=True).items()}; "
+        f"save_file(sd, {SAFETENSORS!r}, metadata={{'format': 'pt'}})"
+    )
+    quoted = f'"{code}"' if not set(code) & set('"$`\\!') else shlex.quote(code)
+    return f"cd {shlex.quote(str(directory))} && python -c {quoted}"
 
 
 def save_checkpoint(
@@ -273,18 +340,24 @@ def convert_to_swiftkv(
     dst_dir: str | os.PathLike,
     num_key_value_layers: int,
     key_value_group_size: int = 1,
+    overwrite: bool = False,
 ) -> Path:
     """Turn a Llama / Mistral / Qwen2 directory into a SwiftKV one (see `swiftkv_init`), saved as a
-    loadable Hugging Face directory with the source's tokenizer files."""
-    config = load_config(src_dir)
-    state = load_state_dict(src_dir, dtype=None)
+    loadable Hugging Face directory with the source's tokenizer files. A non-empty `dst_dir` is refused
+    unless `overwrite`, which replaces the whole directory (it must hold a checkpoint: config.json);
+    the source is never written. Everything is checked before anything is written."""
+    src, dst = Path(src_dir).resolve(), Path(dst_dir).resolve()
+    check_conversion_paths(src, dst, overwrite)
+    config = load_config(src)
+    state = load_state_dict(src, dtype=None)
     state = normalize_state_dict(config, state)
     new_config, new_state = swiftkv_init(config, state, num_key_value_layers, key_value_group_size)
-    dst = save_checkpoint(dst_dir, new_config, new_state)
-    copied = copy_tokenizer_files(src_dir, dst)
+    with staged_directory(dst) as tmp:
+        save_checkpoint(tmp, new_config, new_state)
+        copied = copy_tokenizer_files(src, tmp)
     logger.info(
         "converted %s -> %s (%s, L=%d of N=%d, G=%d; tokenizer files %s)",
-        src_dir,
+        src,
         dst,
         new_config.model_type,
         num_key_value_layers,
@@ -293,3 +366,58 @@ def convert_to_swiftkv(
         copied,
     )
     return dst
+
+
+def check_conversion_paths(src: Path, dst: Path, overwrite: bool) -> None:
+    """Refuse (before any work) what would destroy the source or mix old and new files: resolved paths."""
+    if not src.is_dir():
+        raise FileNotFoundError(f"source checkpoint directory {src} does not exist (or is not a directory)")
+    if dst == src:
+        raise CheckpointError(
+            f"source and destination are the same directory ({src}): converting in place would destroy "
+            "the source; choose another output directory"
+        )
+    if src.is_relative_to(dst):
+        raise CheckpointError(f"the output directory {dst} contains the source {src}; choose another one")
+    if not dst.exists():
+        return
+    if not dst.is_dir():
+        raise NotADirectoryError(f"the output {dst} exists and is not a directory")
+    entries = sorted(p.name for p in dst.iterdir())
+    if not entries:
+        return
+    if not overwrite:
+        raise CheckpointError(
+            f"the output directory {dst} is not empty ({', '.join(entries[:4])}"
+            f"{', ...' if len(entries) > 4 else ''}); pass overwrite=True (swiftkv convert --overwrite) "
+            "to replace it"
+        )
+    if not (dst / "config.json").is_file():
+        raise CheckpointError(
+            f"the output directory {dst} holds no config.json: it is not a checkpoint, so it is not "
+            "replaced even with overwrite; choose another output directory"
+        )
+
+
+@contextmanager
+def staged_directory(target: Path) -> Iterator[Path]:
+    """A temporary sibling of `target` to write into; when the block succeeds it replaces `target`
+    (an existing `target` is moved aside first, then deleted). On an exception `target` is untouched."""
+    tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir(parents=True)  # not tempfile.mkdtemp: the checkpoint gets the usual (umask) permissions
+    try:
+        yield tmp
+        if not target.exists():
+            os.rename(tmp, target)
+            return
+        old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(target, old)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            os.rename(old, target)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -222,17 +222,22 @@ class SwiftKVConfig:
 
     @classmethod
     def from_hf(cls, source: dict | str | os.PathLike) -> SwiftKVConfig:
-        """Build from a Hugging Face config dict, a `config.json` path or a model directory."""
+        """Build from a Hugging Face config dict, a `config.json` path or a model directory.
+        A file that is not a JSON object, or holds a value of the wrong type, is a ConfigError naming it."""
         if isinstance(source, dict):
-            hf = dict(source)
-        else:
-            path = Path(source)
-            if path.is_dir():
-                path = path / "config.json"
-            if not path.is_file():
-                raise ConfigError(f"no config.json at {path}")
-            hf = json.loads(path.read_text())
-        return _from_hf_dict(hf)
+            return _from_hf_dict(dict(source))
+        path = Path(source)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"no config.json at {path}")
+        hf = read_json_object(path, ConfigError)
+        try:
+            return _from_hf_dict(hf)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+        except (TypeError, AttributeError, ValueError) as e:  # e.g. a list or a word where a number belongs
+            raise ConfigError(f"{path}: a field has the wrong type ({type(e).__name__}: {e})") from e
 
     def to_hf(self) -> dict[str, Any]:
         """A `config.json` dict that transformers (and Snowflake's llama_swiftkv) read."""
@@ -296,6 +301,17 @@ class SwiftKVConfig:
         values = asdict(self)
         values.update(changes)
         return SwiftKVConfig(**values)
+
+
+def read_json_object(path: Path, error: type[ValueError]) -> dict[str, Any]:
+    """The JSON object in `path`; `error` naming the file when it is not valid UTF-8 JSON or not an object."""
+    try:
+        value = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise error(f"{path} must hold a JSON object, got a {type(value).__name__}")
+    return value
 
 
 def _as_id_list(value: Any) -> list[int]:

@@ -1,14 +1,18 @@
-"""Tiny random models for tests (this package's, the conformance suite's, the fast engine's).
+"""Tiny random models for tests (this package's, the conformance suite's, the fast engine's), and the
+fp32 tolerance for comparing two computations of their outputs.
 
     config = tiny_config(num_hidden_layers=6, num_key_value_layers=2, key_value_group_size=2)
     state = random_state_dict(config, seed=0)
     model = tiny_model(config, seed=0)          # SwiftKVForCausalLM with those weights, eval, fp32
+    assert (got - want).abs().max() <= fp32_atol(want, depth=config.num_hidden_layers)
 
 Weights are random with non-unit norms and small biases so that every term matters (replacing
 norm_swiftkv by another norm changes the logits).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -74,3 +78,40 @@ def tiny_model(config: SwiftKVConfig | None = None, seed: int = 0, **overrides):
     model = SwiftKVForCausalLM(config)
     model.load_state_dict(random_state_dict(config, seed), strict=True)
     return model.eval()
+
+
+def fp32_atol(expected: torch.Tensor, depth: int = 1, ulps: float = 32) -> float:
+    """The max abs difference allowed between two fp32 computations of `expected` that may differ in
+    summation order (another CPU's kernels, other matmul shapes, chunked prefill, a paged cache):
+    `ulps` units in the last place of its largest |value|, times sqrt(depth) for the rounding errors
+    of `depth` layers adding up as a random walk. Measured differences stay under 5 such units; a real
+    bug (a window mask off by one, a wrong RoPE offset) moves logits by O(0.1-1), >100x this bound."""
+    return ulps * torch.finfo(torch.float32).eps * float(expected.detach().abs().max()) * math.sqrt(depth)
+
+
+def save_snowflake_checkpoint(directory, config: SwiftKVConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Write a Llama `config` (L == N) the way Snowflake's LlamaSwiftKVForCausalLM.save_pretrained does:
+    model_type llama_swiftkv, num_key_value_layers = N, swiftkv false (its training switch), and
+    `model.norm_swiftkv.weight` (the model always creates norm_swiftkv). Returns the plain model's weights."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = random_state_dict(config, seed)
+    hf = {
+        **config.to_hf(),
+        "architectures": ["LlamaSwiftKVForCausalLM"],
+        "model_type": "llama_swiftkv",
+        "num_key_value_layers": config.num_hidden_layers,
+        "key_value_group_size": 1,
+        "swiftkv": False,
+        "transformers_version": "4.48.0",
+    }
+    (directory / "config.json").write_text(json.dumps(hf, indent=2))
+    norm = 1.0 + 0.3 * torch.randn(config.hidden_size, generator=torch.Generator().manual_seed(seed + 1))
+    tensors = {**state, "model.norm_swiftkv.weight": norm}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return state

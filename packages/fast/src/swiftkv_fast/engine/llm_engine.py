@@ -10,13 +10,13 @@ from kvcache import FullAttentionSpec, KVCacheManager, SlidingWindowSpec
 
 from swiftkv_fast.config import EngineConfig
 from swiftkv_fast.engine.request import Request
-from swiftkv_fast.engine.scheduler import Scheduler
+from swiftkv_fast.engine.scheduler import Scheduler, SchedulerOutput
 from swiftkv_fast.logger import init_logger
 from swiftkv_fast.model.loader import build_weights
 from swiftkv_fast.sampler import top_logprobs
 from swiftkv_fast.sampling_params import SamplingParams
 from swiftkv_fast.worker.kv_cache import log_kv_cache, num_blocks_for
-from swiftkv_fast.worker.model_runner import ModelRunner
+from swiftkv_fast.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = init_logger(__name__)
 
@@ -126,13 +126,28 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[Request]:
-        """One scheduling step; returns the requests that finished in it."""
+        """One scheduling step; returns the requests that finished in it.
+
+        If it raises (any exception, or Ctrl-C anywhere in it), the requests it scheduled are
+        aborted and the blocks it registered in the prefix cache are uncached first (their K/V may
+        not be written): later requests only ever hit K/V that a completed step wrote. Requests it
+        did not schedule are untouched. See docs/failure-model.md."""
         out = self.scheduler.schedule()
         if out.is_empty:
             raise RuntimeError(
                 "no request could be scheduled: the KV cache is too small for the waiting request"
             )
-        res = self.runner.execute(out)
+        try:
+            res = self.runner.execute(out)
+            return self._process_output(out, res)
+        except BaseException:
+            # an exception or Ctrl-C in the model, the sampler or the output processing: the step's
+            # requests are aborted and its unwritten blocks uncached (Scheduler.fail_step)
+            failed = self.scheduler.fail_step(out)
+            logger.debug("step failed: aborted %d request(s)", len(failed))
+            raise
+
+    def _process_output(self, out: SchedulerOutput, res: ModelRunnerOutput) -> list[Request]:
         now = time.time()
         by_id = {s.request.request_id: s.request for s in out.scheduled}
         reqs = [by_id[rid] for rid in res.request_ids]
@@ -158,5 +173,6 @@ class LLMEngine:
         ``cuda_graph_capture_s`` (None before capture), ``num_preemptions``."""
         return {**self.runner.graphs.stats(), "num_preemptions": self.scheduler.num_preemptions}
 
-    def abort_all(self) -> None:
-        self.scheduler.abort_all()
+    def abort_all(self) -> list[Request]:
+        """Abort every unfinished request (the caller's call failed); returns them."""
+        return self.scheduler.abort_all()

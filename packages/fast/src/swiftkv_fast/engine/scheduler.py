@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from kvcache import KVCacheManager
 
+from swiftkv_fast.engine.interrupts import deferred_interrupts
 from swiftkv_fast.engine.request import Request, RequestStatus
 from swiftkv_fast.engine.stop import check_stop
 from swiftkv_fast.logger import init_logger
@@ -83,6 +84,19 @@ class Scheduler:
         logger.debug("preempted %s (%d tokens, recomputed later)", req.request_id, req.num_tokens)
 
     def schedule(self) -> SchedulerOutput:
+        """The next step's batch. Atomic: if it raises, the requests it had already allocated for
+        are failed (`fail_step`) and nothing else changed; a Ctrl-C waits until it returns."""
+        touched: list[tuple[Request, int]] = []
+        try:
+            with deferred_interrupts():  # a Ctrl-C held there is raised on exit: caught below
+                return self._schedule(touched)
+        except BaseException:
+            with deferred_interrupts():
+                self._fail(touched)
+            raise
+
+    def _schedule(self, touched: list[tuple[Request, int]]) -> SchedulerOutput:
+        """`touched` gets (request, computed tokens before this step) before each allocation."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int, int]] = []
@@ -91,6 +105,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            touched.append((req, req.num_computed_tokens))
             while self.kv.allocate_slots(req, n) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -108,6 +123,7 @@ class Scheduler:
             req = self.waiting[0]
             hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - hit.num_tokens, budget)
+            touched.append((req, hit.num_tokens))
             if self.kv.allocate_slots(req, n, hit=hit) is None:
                 break
             self.waiting.popleft()
@@ -129,6 +145,10 @@ class Scheduler:
 
     def update_from_output(self, out: SchedulerOutput, sampled_tokens: dict[str, int]) -> list[Request]:
         """Append each sampled token, apply stop rules, free finished requests. Returns the finished."""
+        with deferred_interrupts():
+            return self._update_from_output(out, sampled_tokens)
+
+    def _update_from_output(self, out: SchedulerOutput, sampled_tokens: dict[str, int]) -> list[Request]:
         finished = []
         for s in out.scheduled:
             req = s.request
@@ -147,11 +167,41 @@ class Scheduler:
         self.kv.free(req)
         req.metrics.finished_time = time.time()
 
-    def abort_all(self) -> list[Request]:
-        """Free every request (used when a step fails); returns them."""
-        reqs = list(self.running) + list(self.waiting)
-        for req in self.running:
+    def fail_step(self, out: SchedulerOutput) -> list[Request]:
+        """Undo a step that raised after `schedule` returned it (in the model, the sampler or the
+        output processing): every request it scheduled is aborted, and the prefix-cache entries of
+        the blocks the step registered, whose K/V it may not have written, are forgotten first, so
+        no later request can hit them. Other requests and every block written by an earlier step
+        stay as they are. Returns the aborted requests."""
+        with deferred_interrupts():
+            return self._fail([(s.request, s.start) for s in out.scheduled])
+
+    def _fail(self, touched: list[tuple[Request, int]]) -> list[Request]:
+        """Abort every request of `touched` that holds blocks, after uncaching its blocks past the
+        tokens it had computed before the step. The others (finished, preempted, refused) stay."""
+        failed = {id(req): req for req, _ in touched if req.request_id in self.kv}
+        for req, start in touched:
+            if id(req) in failed:
+                self.kv.uncache_unwritten_blocks(req, start)
+        for req in failed.values():
+            self._abort(req)
+        return list(failed.values())
+
+    def _abort(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if req.request_id in self.kv:
             self.kv.free(req)
-        self.running.clear()
-        self.waiting.clear()
-        return reqs
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = "abort"
+        req.metrics.finished_time = time.time()
+
+    def abort_all(self) -> list[Request]:
+        """Abort every unfinished request (their blocks, all written, stay cached); returns them."""
+        with deferred_interrupts():
+            reqs = list(self.running) + list(self.waiting)
+            for req in reqs:
+                self._abort(req)
+            return reqs

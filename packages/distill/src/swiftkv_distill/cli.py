@@ -1,0 +1,216 @@
+"""`swiftkv distill` and `swiftkv eval` (also `python -m swiftkv_distill distill|eval ...`).
+
+    swiftkv distill out/smollm2-swiftkv --num-key-value-layers 15             # the embedded model
+    swiftkv distill path/to/llama out/llama-swiftkv --num-key-value-layers 16 --steps 300
+    swiftkv eval path/to/llama out/llama-swiftkv
+
+`swiftkv_fast.cli` hands these two commands to `main` here, so serving never imports training code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from .data import DEFAULT_HOLDOUT_SHARE, DEFAULT_TEMPERATURE
+
+USER_ERRORS = (ValueError, OSError)
+
+
+def _add_data_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help='your own data, JSONL: one {"messages": [...]} (the last assistant message is the answer) or '
+        '{"text": ...} per line; default: the teacher answers the built-in prompts itself',
+    )
+    g.add_argument(
+        "--num-samples", type=int, default=256, help="teacher answers to generate (without --data)"
+    )
+    g.add_argument("--max-tokens", type=int, default=256, help="longest teacher answer, in tokens")
+    g.add_argument(
+        "--temperature", type=float, default=DEFAULT_TEMPERATURE, help="the teacher's sampling temperature"
+    )
+    g.add_argument(
+        "--holdout-share",
+        type=float,
+        default=DEFAULT_HOLDOUT_SHARE,
+        help="share of the prompts kept for evaluation only (never calibrated or trained on)",
+    )
+    g.add_argument("--seed", type=int, default=0, help="seeds the teacher's sampling and the held-out split")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument(
+        "--greedy-tokens", type=int, default=32, help="greedy agreement over this many tokens per prompt"
+    )
+
+
+def build_parser(prog: str = "swiftkv") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Make and evaluate SwiftKV weights.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_parsers(sub)
+    return parser
+
+
+def add_parsers(sub) -> None:
+    d = sub.add_parser(
+        "distill",
+        help="make SwiftKV weights for a plain checkpoint (calibration, optional distillation)",
+        usage="%(prog)s [MODEL] OUT --num-key-value-layers L [options]",
+        description="Turn a plain Llama / Mistral / Qwen2 checkpoint into a SwiftKV checkpoint that answers "
+        "like it. The teacher (the model itself) answers a few hundred built-in prompts (or --data); the "
+        "SwiftKV K/V projections are fitted to its own K/V in closed form (minutes on a CPU); --steps N "
+        "adds Snowflake's distillation. A held-out share of the data is never trained on: the student is "
+        "evaluated on it against the teacher, and the figures are written next to the checkpoint "
+        "(eval.json, eval.png).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    d.add_argument(
+        "paths",
+        nargs="+",
+        metavar="[MODEL] OUT",
+        help="the plain checkpoint directory (omit it for the embedded SmolLM2-135M-Instruct) and the "
+        "output directory",
+    )
+    d.add_argument(
+        "--num-key-value-layers",
+        "-L",
+        type=int,
+        required=True,
+        metavar="L",
+        help="layers >= L take their K/V from layer L's input; prefill of prompt tokens stops at L",
+    )
+    d.add_argument(
+        "--key-value-group-size",
+        "-G",
+        type=int,
+        default=1,
+        metavar="G",
+        help="AcrossKV: G consecutive layers >= L share one KV cache (G must divide N - L)",
+    )
+    t = d.add_argument_group("fit")
+    t.add_argument("--batch-tokens", type=int, default=2048, help="tokens per calibration / training batch")
+    t.add_argument(
+        "--ridge", type=float, default=1e-4, help="ridge strength of the closed-form fit (relative)"
+    )
+    t.add_argument("--steps", type=int, default=0, help="distillation steps after the calibration (0: none)")
+    t.add_argument("--lr", type=float, default=2e-4, help="distillation learning rate (AdamW, cosine decay)")
+    t.add_argument("--checkpoint-dir", type=Path, default=None, help="where distillation checkpoints go")
+    t.add_argument("--resume", action="store_true", help="continue distillation from --checkpoint-dir")
+    d.add_argument("--overwrite", action="store_true", help="replace OUT if it already holds a checkpoint")
+    _add_data_flags(d)
+    d.set_defaults(func=_distill)
+
+    e = sub.add_parser(
+        "eval",
+        help="compare a SwiftKV checkpoint with its teacher on held-out data",
+        description="Evaluate STUDENT (a SwiftKV checkpoint) against TEACHER (the plain model) on the "
+        "held-out share of the data (the same split `swiftkv distill` used, given the same --data and "
+        "--seed): top-1 agreement and KL at the answer tokens, both perplexities, and greedy agreement.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    e.add_argument("teacher", type=Path, metavar="TEACHER", help="the plain checkpoint directory")
+    e.add_argument("student", type=Path, metavar="STUDENT", help="the SwiftKV checkpoint directory")
+    e.add_argument("--out", type=Path, default=None, help="write eval.json / eval.png here")
+    _add_data_flags(e)
+    e.set_defaults(func=_eval)
+
+
+def _settings(args, num_key_value_layers: int, key_value_group_size: int, **fit):
+    from .pipeline import DistillSettings
+
+    return DistillSettings(
+        num_key_value_layers=num_key_value_layers,
+        key_value_group_size=key_value_group_size,
+        num_samples=args.num_samples,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        holdout_share=args.holdout_share,
+        greedy_tokens=args.greedy_tokens,
+        seed=args.seed,
+        device=args.device,
+        **fit,
+    )
+
+
+def _distill(args) -> None:
+    from .pipeline import run_distill
+
+    if len(args.paths) > 2:
+        raise ValueError(f"expected [MODEL] OUT, got {len(args.paths)} paths: {args.paths}")
+    model, out = (None, args.paths[0]) if len(args.paths) == 1 else args.paths
+    settings = _settings(
+        args,
+        args.num_key_value_layers,
+        args.key_value_group_size,
+        batch_tokens=args.batch_tokens,
+        ridge=args.ridge,
+        steps=args.steps,
+        lr=args.lr,
+    )
+    if args.data is not None and not args.data.is_file():
+        raise FileNotFoundError(f"--data {str(args.data)!r} is not a file")
+    report = run_distill(
+        model,
+        out,
+        settings,
+        data_path=args.data,
+        overwrite=args.overwrite,
+        checkpoint_dir=args.checkpoint_dir,
+        resume=args.resume,
+    )
+    from .report import format_table
+
+    print(format_table(report.results))
+    print(f"wrote {report.out_dir} (evaluation: {report.out_dir / 'eval.json'})")
+
+
+def _eval(args) -> None:
+    from swiftkv_reference.checkpoint import load_config, load_model
+    from swiftkv_reference.tokenizer import load_tokenizer
+
+    from .data import split_holdout
+    from .evaluate import evaluate
+    from .pipeline import load_examples
+    from .report import format_table, write_report
+
+    for name in ("teacher", "student"):
+        if not getattr(args, name).is_dir():
+            raise FileNotFoundError(f"{name.upper()} {str(getattr(args, name))!r} is not a directory")
+    student_config = load_config(args.student)
+    if not student_config.is_swiftkv:
+        raise ValueError(f"STUDENT {str(args.student)!r} is not a SwiftKV checkpoint (L == N)")
+    settings = _settings(args, student_config.num_key_value_layers, student_config.key_value_group_size)
+    settings.student_config(load_config(args.teacher))  # the teacher is plain and fits the student
+    tokenizer = load_tokenizer(args.teacher)
+    _, heldout = split_holdout(
+        load_examples(args.teacher, settings, args.data, tokenizer),
+        share=settings.holdout_share,
+        seed=args.seed,
+    )
+    teacher = load_model(args.teacher).to(args.device)
+    student = load_model(args.student).to(args.device)
+    results = {"student": evaluate(teacher, student, heldout, greedy_tokens=args.greedy_tokens)}
+    print(format_table(results))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        for path in write_report(args.out, results, name="eval", settings=settings.cache_key()):
+            print(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None, prog: str = "swiftkv") -> int:
+    args = build_parser(prog).parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        args.func(args)
+    except USER_ERRORS as e:
+        print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,130 @@
+"""The differentiable dense training forward over a batch of right-padded sequences.
+
+The reference's `forward` is per-token and no-grad; this is the same math (swiftkv_reference.model,
+anchors/swiftkv-facts.md §1.3) over a (B, T) batch with torch SDPA, built from the reference model's
+own modules (RMSNorm, q/k/v/o projections, MLP, lm_weight) and helpers (RoPE, the attention mask), so
+gradients flow to every parameter that requires them:
+
+    swiftkv=False  the teacher: every layer projects its own Q/K/V;
+    swiftkv=True   layers i >= L take K/V = (k|v)_proj_swiftkv[g](norm_swiftkv(h_L)) of their group
+                   leader g and Q from q_proj_swiftkv[i].
+
+In training every token runs every layer (the early exit is an inference saving; the loss needs the
+logits of every scored position). Position t of every row is token position t; right padding is exact
+for the real tokens (causal attention never lets a real token see a pad), and the pads' own outputs
+are finite garbage to be masked by the caller.
+
+    out = training_forward(model, batch.input_ids, swiftkv=True, logits_mask=batch.logits_mask)
+    out.logits   # (P, vocab) fp32 at the True positions of logits_mask, row-major
+    out.hidden   # (B, T, hidden): the residual stream entering the final norm
+    out = training_forward(teacher, ids, swiftkv=False, compute_logits=False, capture_from=L)
+    out.residual # (B, T, hidden): h_L, the residual stream entering layer L
+    out.kv[i]    # (pre-RoPE K, V) of layer i >= L, each (B, T, num_kv_heads * head_dim)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from swiftkv_reference.attention import attention_mask
+from swiftkv_reference.model import Attention, SwiftKVForCausalLM
+from swiftkv_reference.rope import apply_rope, rope_cos_sin
+
+
+@dataclass
+class ForwardOutput:
+    hidden: torch.Tensor  # (B, T, hidden): the residual stream entering the final norm
+    logits: torch.Tensor | None = None  # fp32 (B, T, vocab), or (P, vocab) at logits_mask
+    residual: torch.Tensor | None = None  # (B, T, hidden): the stream entering layer capture_from
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # layer -> pre-RoPE (K, V)
+
+
+def training_forward(
+    model: SwiftKVForCausalLM,
+    input_ids: torch.Tensor,
+    *,
+    swiftkv: bool,
+    logits_mask: torch.Tensor | None = None,
+    compute_logits: bool = True,
+    capture_from: int | None = None,
+) -> ForwardOutput:
+    """Run `model` densely over input_ids (B, T) from position 0 (see the module docstring).
+
+    logits_mask: (B, T) bool; the logits of only its True positions are computed ((P, vocab), in
+        row-major order); None computes all of them ((B, T, vocab)). compute_logits=False skips the
+        final norm's projection (calibration needs only K/V).
+    capture_from: a layer index c; the output then holds `residual` (h_c) and `kv[i]` for i >= c: the
+        pre-RoPE K and V that layer i attended with (on the SwiftKV path the members of an AcrossKV
+        group hold the same tensors, their leader's).
+    """
+    cfg = model.config
+    n = cfg.num_hidden_layers
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be (batch, num_tokens), got shape {tuple(input_ids.shape)}")
+    if swiftkv and not cfg.is_swiftkv:
+        raise ValueError(f"swiftkv=True needs a SwiftKV model (L < N); this one has L = N = {n}")
+    if logits_mask is not None and logits_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"logits_mask shape {tuple(logits_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
+        )
+    if capture_from is not None and not 0 <= capture_from < n:
+        raise ValueError(f"capture_from must be in [0, {n}), got {capture_from}")
+    batch, num_tokens = input_ids.shape
+    big_l = cfg.num_key_value_layers if swiftkv else n
+    layers = model.model.layers
+    positions = torch.arange(num_tokens, device=input_ids.device)
+    cos, sin = rope_cos_sin(model.inv_freq.to(input_ids.device), positions)  # (T, head_dim)
+    cos, sin = cos.repeat(batch, 1), sin.repeat(batch, 1)  # (B*T, head_dim), row-major over (B, T)
+    masks = {
+        w: attention_mask(positions, positions, w) for w in {cfg.window(i) for i in range(n)}
+    }  # window -> (T, T) bool, True where a query may see a key
+
+    residual, captured = None, ({} if capture_from is not None else None)
+    h = model.model.embed_tokens(input_ids)  # (B, T, hidden)
+    shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # SwiftKV leader -> pre-RoPE (K, V)
+    for i in range(n):
+        if i == capture_from:
+            residual = h
+        if i == big_l:
+            s = model.model.norm_swiftkv(h).reshape(batch * num_tokens, -1)  # (B*T, hidden)
+            for g in range(big_l, n, cfg.key_value_group_size):
+                shared[g] = _project_kv(layers[g].self_attn, s, swiftkv=True)
+        layer = layers[i]
+        x = layer.input_layernorm(h).reshape(batch * num_tokens, -1)  # (B*T, hidden)
+        own = i < big_l
+        k, v = _project_kv(layer.self_attn, x, swiftkv=False) if own else shared[cfg.group_leader(i)]
+        if captured is not None and i >= capture_from:
+            captured[i] = (k.view(batch, num_tokens, -1), v.view(batch, num_tokens, -1))
+        q = layer.self_attn.project_q(x, cos, sin, swiftkv=not own)  # (B*T, heads, head_dim)
+        k = apply_rope(k.view(batch * num_tokens, -1, cfg.head_dim), cos, sin)
+        attn = _sdpa(q, k, v, batch, masks[cfg.window(i)], model.scale)  # (B, T, heads * head_dim)
+        h = h + layer.self_attn.o_proj(attn)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    logits = None
+    if compute_logits:
+        rows = h if logits_mask is None else h[logits_mask]  # (B, T, hidden) / (P, hidden)
+        logits = F.linear(model.model.norm(rows), model.lm_weight()).float()
+    return ForwardOutput(hidden=h, logits=logits, residual=residual, kv=captured)
+
+
+def _project_kv(attn: Attention, x: torch.Tensor, swiftkv: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: (num_rows, hidden) -> pre-RoPE K, V: (num_rows, num_kv_heads * head_dim)."""
+    if swiftkv:
+        return attn.k_proj_swiftkv(x), attn.v_proj_swiftkv(x)
+    return attn.k_proj(x), attn.v_proj(x)
+
+
+def _sdpa(q, k, v, batch: int, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: (B*T, heads, d), k: (B*T, kv_heads, d) after RoPE, v: (B*T, kv_heads * d); mask: (T, T) bool.
+    Returns (B, T, heads * d)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k.shape[1]
+    q = q.view(batch, -1, num_heads, head_dim).transpose(1, 2)  # (B, heads, T, d)
+    k = k.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # (B, kv_heads, T, d)
+    v = v.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+    rep = num_heads // num_kv_heads
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, heads, T, d)
+    out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+    return out.transpose(1, 2).reshape(batch, -1, num_heads * head_dim)

@@ -1,0 +1,280 @@
+"""`swiftkv distill` end to end: data -> calibration -> (distillation) -> evaluation -> export.
+
+    settings = DistillSettings(num_key_value_layers=15)
+    report = run_distill(teacher_dir, out_dir, settings)          # teacher_dir None: the embedded model
+    path = cached_student(teacher_dir, settings)                  # the same, cached under the user cache
+
+Every setting, the output directory and the data file are checked before the teacher answers its
+first prompt. The held-out share of the data (data.split_holdout) is never calibrated or trained on;
+the evaluation runs on it and is written next to the checkpoint (`eval.json`, `eval.png`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from swiftkv_reference.checkpoint import check_conversion_paths, load_config, load_model
+from swiftkv_reference.config import SwiftKVConfig
+from swiftkv_reference.model import SwiftKVForCausalLM
+
+from .calibrate import DEFAULT_RIDGE, calibrate
+from .data import (
+    DEFAULT_HOLDOUT_SHARE,
+    DEFAULT_TEMPERATURE,
+    Example,
+    batches,
+    builtin_prompts,
+    generate_teacher_data,
+    load_jsonl,
+    split_holdout,
+)
+from .distill import DistillConfig, distill
+from .evaluate import EvalResult, evaluate
+from .export import export_student
+from .report import format_table, write_report
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistillSettings:
+    """What `swiftkv distill` does; checked on construction, each error naming its field."""
+
+    num_key_value_layers: int  # L: layers >= L take their K/V from layer L's input
+    key_value_group_size: int = 1  # G: AcrossKV, G consecutive layers >= L share one KV cache
+    num_samples: int = 256  # teacher answers generated from the built-in prompts (without a data file)
+    max_tokens: int = 256  # longest teacher answer
+    temperature: float = DEFAULT_TEMPERATURE  # the teacher's sampling temperature
+    holdout_share: float = DEFAULT_HOLDOUT_SHARE  # of the prompts, kept for evaluation only
+    batch_tokens: int = 2048  # tokens (padding included) per calibration / training batch
+    ridge: float = DEFAULT_RIDGE
+    steps: int = 0  # distillation steps after the calibration (0: calibration only)
+    lr: float = 2e-4
+    greedy_tokens: int = 32  # greedy agreement over this many tokens per held-out prompt
+    seed: int = 0
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        ints = {"num_key_value_layers": 1, "key_value_group_size": 1, "num_samples": 2, "max_tokens": 1}
+        ints |= {"batch_tokens": 2, "steps": 0, "greedy_tokens": 0, "seed": 0}
+        for name, minimum in ints.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        for name, ok, must in (
+            ("temperature", lambda x: x > 0, "> 0"),
+            ("holdout_share", lambda x: 0 < x < 1, "in (0, 1)"),
+            ("ridge", lambda x: x >= 0, ">= 0"),
+            ("lr", lambda x: x > 0, "> 0"),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number {must}, got {value!r}")
+            if not ok(value):
+                raise ValueError(f"{name} must be {must}, got {value!r}")
+        try:
+            torch.device(self.device)
+        except RuntimeError as e:
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}") from e
+        if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r}, but this machine has no CUDA; use 'cpu'")
+
+    def student_config(self, teacher: SwiftKVConfig) -> SwiftKVConfig:
+        """The student's config; ValueError when L, G do not fit the teacher."""
+        if teacher.is_swiftkv:
+            raise ValueError(
+                f"the teacher is already a SwiftKV model (L={teacher.num_key_value_layers}); "
+                "distill from the plain model"
+            )
+        n = teacher.num_hidden_layers
+        if not 1 <= self.num_key_value_layers < n:
+            raise ValueError(f"num_key_value_layers must be in [1, {n}) for this {n}-layer model")
+        if (n - self.num_key_value_layers) % self.key_value_group_size:
+            raise ValueError(
+                f"key_value_group_size={self.key_value_group_size} must divide num_hidden_layers - "
+                f"num_key_value_layers = {n - self.num_key_value_layers}"
+            )
+        return teacher.replace(
+            model_type=f"{teacher.family}_swiftkv",
+            num_key_value_layers=self.num_key_value_layers,
+            key_value_group_size=self.key_value_group_size,
+            swiftkv=True,
+        )
+
+    def cache_key(self) -> dict:
+        """What determines the student (not the device, which only changes the speed)."""
+        return {k: v for k, v in asdict(self).items() if k != "device"}
+
+
+@dataclass
+class DistillReport:
+    out_dir: Path
+    config: SwiftKVConfig
+    num_train_examples: int
+    num_heldout_examples: int
+    num_train_tokens: int
+    results: dict[str, EvalResult] = field(default_factory=dict)  # "calibrated" / "distilled"
+    seconds: dict[str, float] = field(default_factory=dict)  # per stage
+
+
+def resolve_teacher_dir(teacher_dir: str | os.PathLike | None) -> Path:
+    if teacher_dir is None:
+        from swiftkv_reference.default_model import default_model_dir
+
+        return default_model_dir()
+    path = Path(teacher_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"teacher checkpoint directory {str(path)!r} does not exist")
+    return path
+
+
+def load_examples(
+    teacher_dir: Path, settings: DistillSettings, data_path: str | os.PathLike | None, tokenizer
+) -> list[Example]:
+    """The user's JSONL, or the teacher's own answers to the built-in prompts (fast engine)."""
+    if data_path is not None:
+        return load_jsonl(data_path, tokenizer)
+    from swiftkv_fast import LLM
+
+    llm = LLM(
+        str(teacher_dir),
+        tokenizer=tokenizer,
+        device=settings.device,
+        max_model_len=min(2048, load_config(teacher_dir).max_position_embeddings),
+        seed=settings.seed,
+    )
+    return generate_teacher_data(
+        llm,
+        builtin_prompts(),
+        num_samples=settings.num_samples,
+        max_tokens=settings.max_tokens,
+        temperature=settings.temperature,
+        seed=settings.seed,
+    )
+
+
+def run_distill(
+    teacher_dir: str | os.PathLike | None,
+    out_dir: str | os.PathLike,
+    settings: DistillSettings,
+    *,
+    data_path: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    checkpoint_dir: str | os.PathLike | None = None,
+    resume: bool = False,
+) -> DistillReport:
+    """Calibrate (and with settings.steps, distill) a SwiftKV student of the teacher; evaluate it on
+    the held-out data; write it to out_dir (atomically, with eval.json / eval.png beside it)."""
+    from swiftkv_reference.tokenizer import load_tokenizer
+
+    teacher_dir = resolve_teacher_dir(teacher_dir)
+    out_dir = Path(out_dir)
+    settings.student_config(load_config(teacher_dir))  # L and G fit the teacher
+    check_conversion_paths(teacher_dir.resolve(), out_dir.resolve(), overwrite)
+    tokenizer = load_tokenizer(teacher_dir)
+    seconds: dict[str, float] = {}
+
+    t = time.perf_counter()
+    examples = load_examples(teacher_dir, settings, data_path, tokenizer)
+    train, heldout = split_holdout(examples, share=settings.holdout_share, seed=settings.seed)
+    seconds["data"] = time.perf_counter() - t
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    train_batches = batches(train, settings.batch_tokens, pad)
+    logger.info("%d training / %d held-out examples", len(train), len(heldout))
+
+    teacher = load_model(teacher_dir).to(settings.device)
+    t = time.perf_counter()
+    config, state = calibrate(
+        teacher,
+        train_batches,
+        settings.num_key_value_layers,
+        settings.key_value_group_size,
+        ridge=settings.ridge,
+    )
+    seconds["calibrate"] = time.perf_counter() - t
+    student = _model(config, state, settings.device)
+    results = {}
+    if settings.steps:
+        results["calibrated"] = _evaluate(teacher, student, heldout, settings)
+        t = time.perf_counter()
+        train_batches = batches(train, settings.batch_tokens, pad, seed=settings.seed)
+        distill(
+            student,
+            train_batches,
+            DistillConfig(steps=settings.steps, lr=settings.lr),
+            checkpoint_dir=checkpoint_dir,
+            resume=resume,
+            device=settings.device,
+        )
+        seconds["distill"] = time.perf_counter() - t
+        state = {k: v.detach().cpu() for k, v in student.state_dict().items()}
+    t = time.perf_counter()
+    results["distilled" if settings.steps else "calibrated"] = _evaluate(teacher, student, heldout, settings)
+    seconds["evaluate"] = time.perf_counter() - t
+    export_student(out_dir, config, state, teacher_dir, overwrite=overwrite)
+    report = DistillReport(
+        out_dir,
+        config,
+        len(train),
+        len(heldout),
+        sum(len(e) for e in train),
+        results,
+        seconds,
+    )
+    write_report(out_dir, results, name="eval", settings=settings.cache_key(), seconds=seconds)
+    logger.info("\n%s", format_table(results))
+    return report
+
+
+def _model(config: SwiftKVConfig, state: dict[str, torch.Tensor], device: str) -> SwiftKVForCausalLM:
+    model = SwiftKVForCausalLM(config)
+    model.load_state_dict(state)
+    return model.to(device).eval()
+
+
+def _evaluate(teacher, student, heldout: list[Example], settings: DistillSettings) -> EvalResult:
+    return evaluate(teacher, student, heldout, greedy_tokens=settings.greedy_tokens)
+
+
+def teacher_fingerprint(teacher_dir: Path) -> str:
+    """sha256 over the teacher's config and weight files (names, sizes and bytes)."""
+    digest = hashlib.sha256()
+    files = sorted(p for p in teacher_dir.iterdir() if p.name == "config.json" or p.suffix == ".safetensors")
+    for path in files:
+        digest.update(f"{path.name}:{path.stat().st_size}\n".encode())
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def cached_student(
+    teacher_dir: str | os.PathLike | None,
+    settings: DistillSettings,
+    cache_root: str | os.PathLike | None = None,
+) -> tuple[Path, bool]:
+    """The student for (teacher, settings), distilled once and kept under the user cache directory
+    (`swiftkv_reference.default_model.cache_dir()/students/<key>`), keyed by a hash of the teacher's
+    files and of the settings. -> (directory, True when it was already there)."""
+    from swiftkv_reference.default_model import cache_dir
+
+    teacher_dir = resolve_teacher_dir(teacher_dir)
+    key_text = json.dumps(
+        {"teacher": teacher_fingerprint(teacher_dir), **settings.cache_key()}, sort_keys=True
+    )
+    key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
+    root = Path(cache_root) if cache_root is not None else cache_dir() / "students"
+    path = root / f"L{settings.num_key_value_layers}-G{settings.key_value_group_size}-{key}"
+    if (path / "config.json").is_file() and (path / "eval.json").is_file():
+        return path, True
+    root.mkdir(parents=True, exist_ok=True)
+    run_distill(teacher_dir, path, settings, overwrite=True)
+    return path, False

@@ -1,0 +1,308 @@
+"""Distillation: Snowflake's loss equals a brute-force computation, training lowers the KL and writes
+only the SwiftKV parameters, the schedule, checkpoints that resume bit-for-bit, and refusals."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from swiftkv_distill.batch import Batch
+from swiftkv_distill.distill import DistillConfig, distill, distill_loss, trainable_parameters
+from swiftkv_distill.forward import training_forward
+from swiftkv_distill.trainer_state import META_FILE, TENSORS_FILE, list_checkpoints
+from swiftkv_reference.checkpoint import swiftkv_init
+from swiftkv_reference.model import SwiftKVForCausalLM
+from swiftkv_reference.testing import tiny_config, tiny_model
+from tiny_models import PLAIN_MODELS
+
+SWIFTKV_NAMES = ("norm_swiftkv", "q_proj_swiftkv", "k_proj_swiftkv", "v_proj_swiftkv")
+
+
+def _student(name: str = "llama", big_l: int = 1, group: int = 1) -> SwiftKVForCausalLM:
+    """Snowflake's initialisation of a tiny random teacher."""
+    teacher = tiny_model(tiny_config(**PLAIN_MODELS[name]), seed=3)
+    config, state = swiftkv_init(teacher.config, teacher.state_dict(), big_l, group)
+    model = SwiftKVForCausalLM(config).eval()
+    model.load_state_dict(state)
+    return model
+
+
+def _batches(num: int, seed: int = 0, vocab: int = 128) -> list[Batch]:
+    """Right-padded prompt + answer batches of uneven lengths."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(num):
+        lengths = torch.randint(8, 25, (3,), generator=g).tolist()
+        seqs = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+        out.append(Batch.from_sequences(seqs, answer_starts=[n // 2 for n in lengths]))
+    return out
+
+
+def _mean_kl(model: SwiftKVForCausalLM, batches: list[Batch], temperature: float = 1.0) -> float:
+    """Mean KL(teacher || student) per scored position."""
+    total = count = 0.0
+    with torch.no_grad():
+        for b in batches:
+            t = training_forward(model, b.input_ids, swiftkv=False, logits_mask=b.logits_mask).logits
+            s = training_forward(model, b.input_ids, swiftkv=True, logits_mask=b.logits_mask).logits
+            log_t, log_s = t.log_softmax(-1), s.log_softmax(-1)
+            total += float((log_t.exp() * (log_t - log_s)).sum())
+            count += t.shape[0]
+    return total / count
+
+
+def _snapshot(model) -> dict[str, bytes]:
+    return {k: v.detach().numpy().tobytes() for k, v in model.state_dict().items()}
+
+
+def _brute_kl_mse(s_logits, t_logits, s_hidden, t_hidden, temperature, mult):
+    """The loss by its definition, one position and one unit at a time, in fp64."""
+    kl = 0.0
+    for s_row, t_row in zip(s_logits.double().tolist(), t_logits.double().tolist()):
+        zs = sum(math.exp(x / temperature) for x in s_row)
+        zt = sum(math.exp(x / temperature) for x in t_row)
+        for xs, xt in zip(s_row, t_row):
+            p, q = math.exp(xt / temperature) / zt, math.exp(xs / temperature) / zs
+            kl += p * math.log(p / q)
+    logits_loss = kl / max(len(s_logits), 1) * temperature**2
+    diffs = [(a - b) ** 2 for a, b in zip(s_hidden.flatten().tolist(), t_hidden.flatten().tolist())]
+    hidden_loss = sum(diffs) / len(diffs)
+    return logits_loss + mult * hidden_loss, logits_loss, hidden_loss
+
+
+def test_loss_function_is_its_definition():
+    g = torch.Generator().manual_seed(0)
+    s_logits, t_logits = 3 * torch.randn(5, 11, generator=g), 3 * torch.randn(5, 11, generator=g)
+    s_hidden, t_hidden = torch.randn(7, 6, generator=g), torch.randn(7, 6, generator=g)
+    for temperature, mult in [(2.0, 1.0), (1.0, 0.0), (0.5, 3.0)]:
+        got = distill_loss(s_logits, t_logits, s_hidden, t_hidden, temperature, mult)
+        want = _brute_kl_mse(s_logits, t_logits, s_hidden, t_hidden, temperature, mult)
+        for a, b in zip(got, want):
+            assert float(a) == pytest.approx(b, rel=1e-5, abs=1e-7)
+    empty = distill_loss(s_logits[:0], t_logits[:0], s_hidden, t_hidden)  # no scored position
+    assert float(empty[1]) == 0.0 and float(empty[0]) == float(empty[2])
+
+
+def _layer_input(model: SwiftKVForCausalLM, layer: int, ids: torch.Tensor, swiftkv: bool) -> torch.Tensor:
+    """h_layer, read by a hook on the input of its input_layernorm: (B, T, hidden)."""
+    seen = []
+    norm = model.model.layers[layer].input_layernorm
+    handle = norm.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach()))
+    try:
+        with torch.no_grad():
+            training_forward(model, ids, swiftkv=swiftkv, compute_logits=False)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+@pytest.mark.parametrize("hidden_loss_layer", [-2, -1])
+def test_first_step_loss_is_snowflakes_loss_of_the_initial_model(hidden_loss_layer):
+    """The logged loss of step 1 (two micro-batches) is the brute-force loss of the untrained model:
+    KL at T = 2 over logits_mask, scaled by T^2, plus the MSE of h_{N-1} (-2, ArcticTraining's
+    default) or of the final norm's output (-1) over the real tokens, averaged over the micro-batches."""
+    model = _student()
+    batches = _batches(2)
+    n = model.config.num_hidden_layers
+    want = []
+    for b in batches:
+        with torch.no_grad():
+            t = training_forward(model, b.input_ids, swiftkv=False)
+            s = training_forward(model, b.input_ids, swiftkv=True)
+        if hidden_loss_layer == -2:
+            t_h = _layer_input(model, n - 1, b.input_ids, swiftkv=False)
+            s_h = _layer_input(model, n - 1, b.input_ids, swiftkv=True)
+        else:
+            with torch.no_grad():
+                t_h, s_h = model.model.norm(t.hidden), model.model.norm(s.hidden)
+        m, rows = b.logits_mask, b.attention_mask
+        want.append(_brute_kl_mse(s.logits[m], t.logits[m], s_h[rows], t_h[rows], 2.0, 1.0))
+    config = DistillConfig(steps=1, gradient_accumulation_steps=2, hidden_loss_layer=hidden_loss_layer)
+    result = distill(model, batches, config, progress=False)
+    assert result.losses[0] == pytest.approx(sum(w[0] for w in want) / 2, rel=1e-5)
+    assert result.logits_losses[0] == pytest.approx(sum(w[1] for w in want) / 2, rel=1e-5)
+    assert result.hidden_losses[0] == pytest.approx(sum(w[2] for w in want) / 2, rel=1e-5)
+    assert result.hidden_losses[0] > 0
+
+
+@pytest.mark.parametrize("name, big_l, group", [("llama", 1, 1), ("qwen2_hybrid_bias", 2, 2)])
+def test_lowers_the_kl_and_writes_only_swiftkv_parameters(name, big_l, group):
+    model = _student(name, big_l, group)
+    model.model.embed_tokens.weight.requires_grad_(False)  # a caller's flag, restored on return
+    batches, held_out = _batches(6), _batches(3, seed=1)
+    before, kl_train, kl_held = _snapshot(model), _mean_kl(model, batches), _mean_kl(model, held_out)
+    config = DistillConfig(steps=12, lr=1e-2, warmup_ratio=0.25, gradient_accumulation_steps=2)
+    result = distill(model, batches, config, progress=False)
+    assert len(result.losses) == 12 and all(math.isfinite(x) for x in result.losses)
+    assert result.learning_rates == [config.lr_at(s) for s in range(12)]
+    assert _mean_kl(model, batches) < 0.8 * kl_train
+    assert _mean_kl(model, held_out) < kl_held
+    after = _snapshot(model)
+    trainable = set(trainable_parameters(model))
+    assert trainable == {k for k in before if any(n in k.split(".") for n in SWIFTKV_NAMES)}
+    assert any(k.endswith(".bias") for k in trainable) == model.config.attention_bias
+    for key in before:
+        assert (before[key] == after[key]) == (key not in trainable), key
+    flags = {k: p.requires_grad for k, p in model.named_parameters()}
+    assert flags.pop("model.embed_tokens.weight") is False and all(flags.values())
+    assert all(p.grad is None for k, p in model.named_parameters() if k not in trainable)
+
+
+def test_warmup_then_cosine_schedule():
+    config = DistillConfig(steps=10, lr=1.0, warmup_ratio=0.2)  # 2 warm-up steps
+    cos = [0.5 * (1 + math.cos(math.pi * k / 8)) for k in range(8)]
+    assert config.warmup_steps == 2
+    assert [config.lr_at(s) for s in range(10)] == pytest.approx([0.5, 1.0] + cos, rel=1e-12)
+    no_warmup = DistillConfig(steps=4, lr=2e-4, warmup_ratio=0.0)
+    assert [no_warmup.lr_at(s) for s in range(4)] == pytest.approx(
+        [2e-4, 2e-4 * (1 + math.cos(math.pi / 4)) / 2, 1e-4, 2e-4 * (1 + math.cos(3 * math.pi / 4)) / 2]
+    )
+    assert DistillConfig(steps=100).warmup_steps == 5  # Snowflake's warmup_ratio 0.05
+    assert DistillConfig(steps=3, warmup_ratio=1.0).lr_at(2) == DistillConfig(steps=3).lr
+
+
+class _Crashing:
+    """Re-iterable batches that raise after `limit` batches have been read in all (a killed run)."""
+
+    def __init__(self, batches: list[Batch], limit: int):
+        self.batches, self.limit, self.read = batches, limit, 0
+
+    def __iter__(self):
+        for b in self.batches:
+            if self.read == self.limit:
+                raise KeyboardInterrupt("killed")
+            self.read += 1
+            yield b
+
+
+def test_resume_equals_an_uninterrupted_run(tmp_path):
+    """Killed in step 4 (5 batches cycled, 2 per step, a checkpoint every 2 steps), resumed on a fresh
+    copy of the initial model: the same tensors and history, bit for bit, as a run never stopped."""
+    init = _student("qwen2_hybrid_bias", 2, 2)
+    batches = _batches(5)
+    config = DistillConfig(
+        steps=6,
+        lr=3e-3,
+        warmup_ratio=0.5,
+        gradient_accumulation_steps=2,
+        checkpoint_every=2,
+        keep_checkpoints=1,
+    )
+    whole = copy.deepcopy(init)
+    want = distill(whole, batches, config, checkpoint_dir=tmp_path / "a", progress=False)
+
+    crashed = copy.deepcopy(init)
+    with pytest.raises(KeyboardInterrupt):
+        distill(
+            crashed, _Crashing(batches, limit=1 + 7), config, checkpoint_dir=tmp_path / "b", progress=False
+        )
+    assert [step for step, _ in list_checkpoints(tmp_path / "b")] == [2]  # keep_checkpoints=1
+    resumed = copy.deepcopy(init)
+    got = distill(resumed, batches, config, checkpoint_dir=tmp_path / "b", resume=True, progress=False)
+
+    assert got.start_step == 2 and want.start_step == 0
+    for key in ("losses", "logits_losses", "hidden_losses", "learning_rates", "grad_norms"):
+        assert getattr(got, key) == getattr(want, key), key
+    state, want_state = resumed.state_dict(), whole.state_dict()
+    assert all(torch.equal(state[k], want_state[k]) for k in state)
+    assert got.checkpoint.name == "step-00000006" and sorted(p.name for p in got.checkpoint.iterdir()) == [
+        META_FILE,
+        TENSORS_FILE,
+    ]
+    again = distill(
+        copy.deepcopy(init), batches, config, checkpoint_dir=tmp_path / "b", resume=True, progress=False
+    )
+    assert again.start_step == 6 and again.losses == want.losses  # nothing left to do
+
+
+class _NeverRead:
+    def __iter__(self):
+        raise AssertionError("the batches were read")
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("steps", 0),
+        ("steps", 2.0),
+        ("steps", True),
+        ("lr", 0.0),
+        ("lr", float("nan")),
+        ("warmup_ratio", 1.5),
+        ("gradient_accumulation_steps", 0),
+        ("weight_decay", -0.1),
+        ("betas", (0.9, 1.0)),
+        ("betas", (0.9,)),
+        ("eps", 0.0),
+        ("max_grad_norm", 0.0),
+        ("logits_loss_temp", -2.0),
+        ("hidden_loss_mult", float("inf")),
+        ("hidden_loss_layer", 1.5),
+        ("checkpoint_every", 0),
+        ("keep_checkpoints", 0),
+    ],
+)
+def test_bad_settings_name_their_field(field, value):
+    kwargs = {"steps": 3, field: value}
+    with pytest.raises(ValueError, match=rf"DistillConfig\.{field} must be"):
+        DistillConfig(**kwargs)
+
+
+def test_bad_input_is_refused_before_any_work(tmp_path):
+    model = _student()
+    before = _snapshot(model)
+    config = DistillConfig(steps=2)
+    plain = tiny_model(tiny_config(num_hidden_layers=4))
+    with pytest.raises(ValueError, match="needs a SwiftKV model"):
+        distill(plain, _NeverRead(), config)
+    with pytest.raises(ValueError, match=r"hidden_loss_layer must be in \[-5, 4\]"):
+        distill(model, _NeverRead(), DistillConfig(steps=2, hidden_loss_layer=5))
+    with pytest.raises(TypeError, match="must be re-iterable"):
+        distill(model, iter(_batches(2)), config)
+    with pytest.raises(TypeError, match="DistillConfig"):
+        distill(model, _NeverRead(), {"steps": 2})
+    with pytest.raises(ValueError, match="resume=True needs a checkpoint_dir"):
+        distill(model, _NeverRead(), config, resume=True)
+    with pytest.raises(ValueError, match="batches is empty"):
+        distill(model, [], config)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="not a directory"):
+        distill(model, _NeverRead(), config, checkpoint_dir=tmp_path / "file")
+    assert _snapshot(model) == before
+
+    done = copy.deepcopy(model)
+    distill(done, _batches(2), config, checkpoint_dir=tmp_path / "ckpt", progress=False)
+    with pytest.raises(ValueError, match="already holds distillation checkpoints"):
+        distill(model, _NeverRead(), config, checkpoint_dir=tmp_path / "ckpt")
+    with pytest.raises(ValueError, match=r"settings differ \(lr: saved 0.0002, now 0.001\)"):
+        distill(
+            model,
+            _NeverRead(),
+            DistillConfig(steps=2, lr=1e-3),
+            checkpoint_dir=tmp_path / "ckpt",
+            resume=True,
+        )
+    with pytest.raises(ValueError, match="it was made for"):
+        distill(_student(big_l=2), _NeverRead(), config, checkpoint_dir=tmp_path / "ckpt", resume=True)
+    assert _snapshot(model) == before
+    # checkpoint_every and keep_checkpoints may change on resume
+    distill(
+        model,
+        _batches(2),
+        DistillConfig(steps=2, keep_checkpoints=None),
+        checkpoint_dir=tmp_path / "ckpt",
+        resume=True,
+    )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_autocast_lowers_the_kl():
+    model = _student()
+    batches = _batches(4)
+    kl = _mean_kl(model, batches)
+    result = distill(model, batches, DistillConfig(steps=10, lr=3e-3), device="cuda", progress=False)
+    assert all(math.isfinite(x) for x in result.losses)
+    assert next(model.parameters()).dtype == torch.float32
+    assert _mean_kl(model.cpu(), batches) < 0.7 * kl

@@ -1,0 +1,96 @@
+"""The training forward equals the reference's `forward` (fp32, every position, both paths) and is
+differentiable in the SwiftKV parameters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from swiftkv_distill.batch import Batch
+from swiftkv_distill.forward import training_forward
+from swiftkv_reference.testing import fp32_atol, tiny_config, tiny_model
+from tiny_models import FORWARD_MODELS, PLAIN_MODELS
+
+LENGTHS = [20, 13, 1, 17]  # right-padded to 20; longer than the sliding windows (8)
+
+
+def _batch(vocab: int, seed: int = 0) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    return Batch.from_sequences([torch.randint(3, vocab, (n,), generator=g).tolist() for n in LENGTHS])
+
+
+CASES = [(name, False) for name in FORWARD_MODELS] + [
+    (name, True) for name in FORWARD_MODELS if name not in PLAIN_MODELS
+]
+
+
+@pytest.mark.parametrize("name, swiftkv", CASES)
+def test_equals_reference_forward(name, swiftkv):
+    config = tiny_config(**FORWARD_MODELS[name])
+    model = tiny_model(config, seed=1)
+    batch = _batch(config.vocab_size)
+    got = training_forward(model, batch.input_ids, swiftkv=swiftkv).logits.detach()  # (B, T, vocab)
+    selected = training_forward(model, batch.input_ids, swiftkv=swiftkv, logits_mask=batch.attention_mask)
+    torch.testing.assert_close(selected.logits, got[batch.attention_mask], rtol=0, atol=0)
+    for b, n in enumerate(LENGTHS):
+        want = model.forward(batch.input_ids[b, :n], swiftkv=swiftkv)  # (n, vocab)
+        err = float((got[b, :n] - want).abs().max())
+        atol = fp32_atol(want, depth=config.num_hidden_layers)
+        assert err <= atol, f"{name} swiftkv={swiftkv} row {b}: max abs err {err:.2e} > {atol:.2e}"
+
+
+def test_capture_gives_pre_rope_kv_and_residual():
+    """The captured K/V are the projections of each layer's own normed input, before RoPE, and the
+    SwiftKV path's members of a group share the leader's."""
+    config = tiny_config(**FORWARD_MODELS["swiftkv_g2"])  # L = 1, G = 2, N = 5
+    model = tiny_model(config, seed=1)
+    ids = _batch(config.vocab_size).input_ids
+    teacher = training_forward(model, ids, swiftkv=False, capture_from=1, compute_logits=False)
+    assert teacher.logits is None and sorted(teacher.kv) == [1, 2, 3, 4]
+    layer1 = model.model.layers[1]
+    x = layer1.input_layernorm(teacher.residual)
+    torch.testing.assert_close(teacher.kv[1][0], layer1.self_attn.k_proj(x))
+    torch.testing.assert_close(teacher.kv[1][1], layer1.self_attn.v_proj(x))
+    student = training_forward(model, ids, swiftkv=True, capture_from=1, compute_logits=False)
+    s = model.model.norm_swiftkv(student.residual)
+    torch.testing.assert_close(student.kv[3][0], model.model.layers[3].self_attn.k_proj_swiftkv(s))
+    assert torch.equal(student.kv[4][0], student.kv[3][0]) and torch.equal(student.kv[2][1], student.kv[1][1])
+
+
+def test_gradients_reach_swiftkv_parameters():
+    config = tiny_config(**FORWARD_MODELS["qwen2_hybrid_swiftkv"])  # bias, AcrossKV, sliding layers
+    model = tiny_model(config, seed=1)
+    batch = _batch(config.vocab_size)
+    out = training_forward(model, batch.input_ids, swiftkv=True, logits_mask=batch.logits_mask)
+    (out.logits.logsumexp(-1).sum() + out.hidden.square().mean()).backward()
+    names = ["model.norm_swiftkv.weight"] + [
+        f"model.layers.{i}.self_attn.{p}.{t}"
+        for i, p in [
+            (1, "q_proj_swiftkv"),
+            (4, "q_proj_swiftkv"),
+            (1, "k_proj_swiftkv"),
+            (3, "v_proj_swiftkv"),
+        ]
+        for t in ("weight", "bias")
+    ]
+    params = dict(model.named_parameters())
+    for name in names:
+        grad = params[name].grad
+        assert grad is not None and grad.abs().sum() > 0, name
+    # the teacher path never reads the SwiftKV parameters
+    model.zero_grad(set_to_none=True)
+    training_forward(model, batch.input_ids, swiftkv=False).logits.sum().backward()
+    assert params["model.norm_swiftkv.weight"].grad is None
+    assert params["model.layers.1.self_attn.k_proj_swiftkv.weight"].grad is None
+
+
+def test_bad_input_is_refused():
+    model = tiny_model(tiny_config())
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    with pytest.raises(ValueError, match="needs a SwiftKV model"):
+        training_forward(model, ids, swiftkv=True)
+    with pytest.raises(ValueError, match="logits_mask shape"):
+        training_forward(model, ids, swiftkv=False, logits_mask=torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="capture_from"):
+        training_forward(model, ids, swiftkv=False, capture_from=4)
+    with pytest.raises(ValueError, match="batch, num_tokens"):
+        training_forward(model, ids[0], swiftkv=False)

@@ -18,6 +18,7 @@ BENCHMARKS = {
     "kvcache": "kv_trace",
     "memory": "memory",
     "gpu": "gpu",
+    "quality": "quality",
 }
 ALL = ["prefill", "throughput", "kvcache", "memory"]
 
@@ -31,6 +32,7 @@ tables show the median [min-max] over the rounds, and ratios are computed round 
   throughput  the fast engine vs transformers' generate / generate_batch on request mixes
   kvcache     the kvcache trace benchmark (and vLLM's cache manager when importable)
   memory      KV bytes per token and maximum concurrency across L and G (AcrossKV)
+  quality     how closely SwiftKV students answer like the model, per L, beside the prefill speedup
   gpu         short CUDA benchmark for `nox -s gpu` (exits 0 with a message without CUDA)
   all         prefill, throughput, kvcache, memory
 

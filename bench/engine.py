@@ -33,9 +33,11 @@ def build_llm(
     device: str = "cpu",
     state_dict: dict | None = None,
     config: Any = None,
+    model: str | None = None,
     **kw: Any,
 ):
-    """The embedded model (or `config` + `state_dict`), prefix caching off so repeats do real work."""
+    """The embedded model (or the checkpoint directory `model`, or `config` + `state_dict`), prefix
+    caching off so repeats do real work."""
     from swiftkv_fast import LLM
 
     kw.setdefault("enable_prefix_caching", False)
@@ -49,9 +51,14 @@ def build_llm(
             key_value_group_size=key_value_group_size,
             **common,
         )
-    log.info("building engine on the embedded model, L=%s G=%s", num_key_value_layers, key_value_group_size)
+    log.info(
+        "building engine on %s, L=%s G=%s",
+        model or "the embedded model",
+        num_key_value_layers,
+        key_value_group_size,
+    )
     return LLM(
-        model=None,
+        model=model,
         num_key_value_layers=num_key_value_layers,
         key_value_group_size=key_value_group_size,
         **common,

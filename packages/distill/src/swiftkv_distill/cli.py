@@ -17,6 +17,21 @@ from pathlib import Path
 from .data import DEFAULT_HOLDOUT_SHARE, DEFAULT_TEMPERATURE
 
 USER_ERRORS = (ValueError, OSError)
+# what a student shares with its teacher (SwiftKVConfig fields; model_type differs by "_swiftkv")
+ARCHITECTURE_FIELDS = (
+    "family",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "attention_bias",
+    "tie_word_embeddings",
+    "layer_types",
+    "sliding_window",
+)
 
 
 def _add_data_flags(p: argparse.ArgumentParser) -> None:
@@ -170,22 +185,33 @@ def _distill(args) -> None:
 
 def _eval(args) -> None:
     from swiftkv_reference.checkpoint import load_config, load_model
-    from swiftkv_reference.tokenizer import load_tokenizer
 
     from .data import split_holdout
     from .evaluate import evaluate
-    from .pipeline import load_examples
+    from .pipeline import load_examples, load_teacher_tokenizer
     from .report import format_table, write_report
 
     for name in ("teacher", "student"):
         if not getattr(args, name).is_dir():
             raise FileNotFoundError(f"{name.upper()} {str(getattr(args, name))!r} is not a directory")
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        raise NotADirectoryError(f"--out {str(args.out)!r} exists and is not a directory")
     student_config = load_config(args.student)
     if not student_config.is_swiftkv:
         raise ValueError(f"STUDENT {str(args.student)!r} is not a SwiftKV checkpoint (L == N)")
     settings = _settings(args, student_config.num_key_value_layers, student_config.key_value_group_size)
-    settings.student_config(load_config(args.teacher))  # the teacher is plain and fits the student
-    tokenizer = load_tokenizer(args.teacher)
+    expected = settings.student_config(load_config(args.teacher))  # the teacher is plain, L and G fit it
+    differ = [
+        f"{name} {getattr(expected, name)} vs {getattr(student_config, name)}"
+        for name in ARCHITECTURE_FIELDS
+        if getattr(expected, name) != getattr(student_config, name)
+    ]
+    if differ:
+        raise ValueError(
+            f"STUDENT {str(args.student)!r} is not a SwiftKV version of TEACHER {str(args.teacher)!r} "
+            f"(teacher vs student: {'; '.join(differ)})"
+        )
+    tokenizer = load_teacher_tokenizer(args.teacher)
     _, heldout = split_holdout(
         load_examples(args.teacher, settings, args.data, tokenizer),
         share=settings.holdout_share,

@@ -4,9 +4,10 @@
     report = run_distill(teacher_dir, out_dir, settings)          # teacher_dir None: the embedded model
     path = cached_student(teacher_dir, settings)                  # the same, cached under the user cache
 
-Every setting, the output directory and the data file are checked before the teacher answers its
-first prompt. The held-out share of the data (data.split_holdout) is never calibrated or trained on;
-the evaluation runs on it and is written next to the checkpoint (`eval.json`, `eval.png`).
+Every setting, the output directory, the checkpoint flags and the data file are checked before the
+teacher answers its first prompt. The held-out share of the data (data.split_holdout) is never
+calibrated or trained on; the evaluation runs on it and is written next to the checkpoint (`eval.json`,
+`eval.png`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from swiftkv_reference.checkpoint import check_conversion_paths, load_config, load_model
+from swiftkv_reference.checkpoint import TOKENIZER_FILES, check_conversion_paths, load_config, load_model
 from swiftkv_reference.config import SwiftKVConfig
 from swiftkv_reference.model import SwiftKVForCausalLM
 
@@ -40,6 +41,7 @@ from .distill import DistillConfig, distill
 from .evaluate import EvalResult, evaluate
 from .export import export_student
 from .report import format_table, write_report
+from .trainer_state import list_checkpoints
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +138,41 @@ def resolve_teacher_dir(teacher_dir: str | os.PathLike | None) -> Path:
     return path
 
 
+def load_teacher_tokenizer(teacher_dir: Path):
+    """The teacher's tokenizer; a ValueError naming the directory when it has none."""
+    from swiftkv_reference.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(teacher_dir)
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"cannot load the tokenizer of {str(teacher_dir)!r} (the data needs its tokenizer files): {e}"
+        ) from e
+
+
+def check_checkpoint_flags(
+    settings: DistillSettings, checkpoint_dir: str | os.PathLike | None, resume: bool
+) -> None:
+    """What `distill` would refuse only after the data and the calibration, refused before them."""
+    if (checkpoint_dir is not None or resume) and not settings.steps:
+        raise ValueError(
+            "checkpoint_dir / resume (--checkpoint-dir, --resume) need distillation steps (--steps N)"
+        )
+    if checkpoint_dir is None:
+        if resume:
+            raise ValueError("resume (--resume) needs a checkpoint_dir (--checkpoint-dir)")
+        return
+    path = Path(checkpoint_dir)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"checkpoint_dir {str(path)!r} is not a directory")
+    saved = list_checkpoints(path)
+    if saved and not resume:
+        raise ValueError(
+            f"checkpoint_dir {str(path)!r} already holds distillation checkpoints (newest: "
+            f"{saved[-1][1].name}): pass resume (--resume) to continue, or choose another directory"
+        )
+
+
 def load_examples(
     teacher_dir: Path, settings: DistillSettings, data_path: str | os.PathLike | None, tokenizer
 ) -> list[Example]:
@@ -173,13 +210,12 @@ def run_distill(
 ) -> DistillReport:
     """Calibrate (and with settings.steps, distill) a SwiftKV student of the teacher; evaluate it on
     the held-out data; write it to out_dir (atomically, with eval.json / eval.png beside it)."""
-    from swiftkv_reference.tokenizer import load_tokenizer
-
     teacher_dir = resolve_teacher_dir(teacher_dir)
     out_dir = Path(out_dir)
     settings.student_config(load_config(teacher_dir))  # L and G fit the teacher
     check_conversion_paths(teacher_dir.resolve(), out_dir.resolve(), overwrite)
-    tokenizer = load_tokenizer(teacher_dir)
+    check_checkpoint_flags(settings, checkpoint_dir, resume)
+    tokenizer = load_teacher_tokenizer(teacher_dir)
     seconds: dict[str, float] = {}
 
     t = time.perf_counter()
@@ -245,9 +281,11 @@ def _evaluate(teacher, student, heldout: list[Example], settings: DistillSetting
 
 
 def teacher_fingerprint(teacher_dir: Path) -> str:
-    """sha256 over the teacher's config and weight files (names, sizes and bytes)."""
+    """sha256 over the teacher's config, weight and tokenizer files (names, sizes and bytes): the
+    tokenizer's chat template shapes the teacher's data, so it shapes the student too."""
     digest = hashlib.sha256()
-    files = sorted(p for p in teacher_dir.iterdir() if p.name == "config.json" or p.suffix == ".safetensors")
+    names = {"config.json", *TOKENIZER_FILES}
+    files = sorted(p for p in teacher_dir.iterdir() if p.name in names or p.suffix == ".safetensors")
     for path in files:
         digest.update(f"{path.name}:{path.stat().st_size}\n".encode())
         with open(path, "rb") as f:

@@ -210,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_convert(sub)
     for name, what in TRAINING_COMMANDS.items():  # listed here, run by swiftkv_distill (see main)
-        sub.add_parser(name, help=what, add_help=False).set_defaults(func=_training_command)
+        sub.add_parser(name, help=what, add_help=False)
     return parser
 
 
@@ -222,9 +222,9 @@ TRAINING_COMMANDS = {
 }
 
 
-def _training_command(args) -> None:
-    raise ValueError(
-        f"'swiftkv {args.command}' needs the swiftkv-distill package: pip install swiftkv-distill "
+def _training_command_missing(command: str) -> str:
+    return (
+        f"'swiftkv {command}' needs the swiftkv-distill package: pip install swiftkv-distill "
         "(from this repository: pip install packages/distill)"
     )
 
@@ -237,7 +237,10 @@ USER_ERRORS = (ValueError, OSError)
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in TRAINING_COMMANDS and importlib.util.find_spec("swiftkv_distill") is not None:
+    if argv and argv[0] in TRAINING_COMMANDS:  # whatever its arguments: they are swiftkv_distill's
+        if importlib.util.find_spec("swiftkv_distill") is None:
+            print(f"swiftkv: error: {_training_command_missing(argv[0])}", file=sys.stderr)
+            return 2
         from swiftkv_distill.cli import main as training_main
 
         return training_main(argv)

@@ -84,8 +84,10 @@ class Scheduler:
         logger.debug("preempted %s (%d tokens, recomputed later)", req.request_id, req.num_tokens)
 
     def schedule(self) -> SchedulerOutput:
-        """The next step's batch. Atomic: if it raises, the requests it had already allocated for
-        are failed (`fail_step`) and nothing else changed; a Ctrl-C waits until it returns."""
+        """The next step's batch. If it raises, the requests it had already allocated for are
+        failed (`fail_step`); the others keep their state, except that blocks a sliding window no
+        longer needs may have been freed (a refused `allocate_slots` frees them, as vLLM's does).
+        A Ctrl-C that arrives meanwhile is raised when the bookkeeping is done."""
         touched: list[tuple[Request, int]] = []
         try:
             with deferred_interrupts():  # a Ctrl-C held there is raised on exit: caught below

@@ -389,7 +389,7 @@ def check_conversion_paths(src: Path, dst: Path, overwrite: bool) -> None:
     if not overwrite:
         raise CheckpointError(
             f"the output directory {dst} is not empty ({', '.join(entries[:4])}"
-            f"{', ...' if len(entries) > 4 else ''}); pass overwrite=True (swiftkv convert --overwrite) "
+            f"{', ...' if len(entries) > 4 else ''}); pass overwrite=True (--overwrite on the command line) "
             "to replace it"
         )
     if not (dst / "config.json").is_file():

@@ -194,8 +194,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        if req.request_id in self.kv:
-            self.kv.free(req)
+        self.kv.free(req)  # a no-op for a request that holds no blocks
         req.status = RequestStatus.FINISHED
         req.finish_reason = "abort"
         req.metrics.finished_time = time.time()

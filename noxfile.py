@@ -24,7 +24,7 @@ ROOT = Path(__file__).parent
 PYTHON = "3.11"
 # An unpinned torch pulls a CUDA build of several GB; this is the CPU build on the machines' disk.
 TORCH = "torch==2.13.0"
-TEST_DEPS = ["pytest", "hypothesis", "pytest-xdist"]
+TEST_DEPS = ["pytest", "hypothesis", "pytest-xdist", "openai", "httpx"]
 PACKAGES = {
     "kvcache": "packages/kvcache",
     "reference": "packages/reference",
@@ -42,7 +42,7 @@ def _install_stack(session: nox.Session, *extra: str) -> None:
     session.install(
         f"{PACKAGES['kvcache']}",
         f"{PACKAGES['reference']}[gguf]",
-        f"{PACKAGES['fast']}[triton]",
+        f"{PACKAGES['fast']}[triton,serve]",
         PACKAGES["distill"],
         *extra,
     )

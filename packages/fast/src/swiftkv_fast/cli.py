@@ -3,6 +3,7 @@
 swiftkv generate --prompt "What is the capital of France?" --chat --temperature 0
 echo "Once upon a time" | swiftkv generate --num-key-value-layers 15 --max-tokens 64
 swiftkv convert path/to/llama path/to/llama-swiftkv --num-key-value-layers 16
+swiftkv serve --port 8000                      # OpenAI-compatible HTTP server (docs/serving.md)
 swiftkv distill out/smollm2-swiftkv --num-key-value-layers 15     # with swiftkv-distill installed
 
 A user error (a bad flag value, a missing file, a checkpoint that cannot be read) prints one line,
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 import time
 from pathlib import Path
@@ -56,6 +58,12 @@ def _add_generate(sub) -> None:
     g.add_argument(
         "--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token"
     )
+    _add_engine_flags(p)
+    p.set_defaults(func=_generate)
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The `LLM` engine settings, shared by `generate` and `serve` (see `_engine_kwargs`)."""
     e = p.add_argument_group("engine")
     e.add_argument(
         "--num-key-value-layers",
@@ -85,7 +93,78 @@ def _add_generate(sub) -> None:
     e.add_argument(
         "--no-prefix-caching", action="store_true", help="do not reuse the KV of prompts seen before"
     )
-    p.set_defaults(func=_generate)
+
+
+def _engine_kwargs(args) -> dict:
+    return dict(
+        num_key_value_layers=args.num_key_value_layers,
+        key_value_group_size=args.key_value_group_size,
+        dtype=args.dtype,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over HTTP with OpenAI's API (completions, chat completions, streaming)",
+        description="Serve MODEL over HTTP with OpenAI's API, as `vllm serve` does: POST /v1/completions, "
+        "POST /v1/chat/completions (streaming with server-sent events), GET /v1/models, /health, "
+        "/version and /metrics (Prometheus). Any OpenAI client works: point its base URL at "
+        "http://HOST:PORT/v1. Without MODEL the embedded SmolLM2-135M-Instruct is served. "
+        "Needs the serve extra: pip install 'swiftkv-fast[serve]'. Examples: docs/serving.md.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="checkpoint directory; None: the embedded SmolLM2-135M-Instruct",
+    )
+    s = p.add_argument_group("server")
+    s.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (127.0.0.1: clients on this machine only; 0.0.0.0: every interface)",
+    )
+    s.add_argument("--port", type=int, default=8000, help="TCP port; 0: any free port (logged at start)")
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every /v1 route; None: $SWIFTKV_API_KEY when set "
+        "(keeps the key out of the process list), else no key",
+    )
+    s.add_argument(
+        "--max-waiting",
+        type=int,
+        default=None,
+        help="backpressure: while this many requests wait to start, a new one gets 503 with Retry-After; "
+        "None: no limit",
+    )
+    s.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the name(s) clients put in the request's 'model' field (responses report the first); None: "
+        "MODEL as given, or SmolLM2-135M-Instruct",
+    )
+    s.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's log level (info logs every request)",
+    )
+    _add_engine_flags(p)
+    p.set_defaults(func=_serve)
 
 
 def _add_convert(sub) -> None:
@@ -160,20 +239,7 @@ def _generate(args) -> None:
         ignore_eos=args.ignore_eos,
     )
     prompts = _read_prompts(args)
-    llm = LLM(
-        args.model,
-        num_key_value_layers=args.num_key_value_layers,
-        key_value_group_size=args.key_value_group_size,
-        dtype=args.dtype,
-        device=args.device,
-        attention_backend=args.attention_backend,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        kv_cache_memory=args.kv_cache_memory,
-        enable_prefix_caching=not args.no_prefix_caching,
-    )
+    llm = LLM(args.model, **_engine_kwargs(args))
     start = time.perf_counter()
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
@@ -189,6 +255,21 @@ def _generate(args) -> None:
         f"Throughput: {len(outs) / elapsed:.2f} requests/s, {(n_in + n_out) / elapsed:.1f} total tokens/s, "
         f"{n_out / elapsed:.1f} output tokens/s ({n_in} prompt + {n_out} output tokens in {elapsed:.2f} s)"
     )
+
+
+def _serve(args) -> None:
+    if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
+        raise ValueError(
+            "'swiftkv serve' needs the serve extra: pip install 'swiftkv-fast[serve]' "
+            "(fastapi, uvicorn, prometheus-client, pydantic)"
+        )
+    if args.port is not None and not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.api_key is None:
+        args.api_key = os.environ.get("SWIFTKV_API_KEY") or None
+    from swiftkv_fast.entrypoints.api_server import run_server
+
+    run_server(args, _engine_kwargs(args))
 
 
 def _convert(args) -> None:
@@ -208,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
+    _add_serve(sub)
     _add_convert(sub)
     for name, what in TRAINING_COMMANDS.items():  # listed here, run by swiftkv_distill (see main)
         sub.add_parser(name, help=what, add_help=False)

@@ -11,6 +11,7 @@ from kvcache import FullAttentionSpec, KVCacheManager, SlidingWindowSpec
 from swiftkv_fast.config import EngineConfig
 from swiftkv_fast.engine.request import Request
 from swiftkv_fast.engine.scheduler import Scheduler, SchedulerOutput
+from swiftkv_fast.engine.stats import SchedulerStats
 from swiftkv_fast.logger import init_logger
 from swiftkv_fast.model.loader import build_weights
 from swiftkv_fast.sampler import top_logprobs
@@ -86,6 +87,7 @@ class LLMEngine:
         )
         self._rng = random.Random(econf.seed)
         self._counter = 0
+        self._reported_preemptions = 0  # num_preemptions at the previous make_scheduler_stats
         logger.info(
             "engine: %s, N=%d, L=%d, G=%d, %s on %s, attention backend %s, %d kvcache group(s)",
             config.model_type,
@@ -113,12 +115,23 @@ class LLMEngine:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def add_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
     ) -> Request:
+        """A checked request (swiftkv_fast.inputs) into the waiting queue. `request_id` (default: a
+        counter) must differ from every unfinished request's: the caller keeps them unique (AsyncLLM)."""
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         generator = None if params.greedy else torch.Generator().manual_seed(seed)
-        req = Request(str(self._counter), prompt_token_ids, params, generator, prompt=prompt)
-        self._counter += 1
+        if request_id is None:
+            request_id = str(self._counter)
+            self._counter += 1
+        req = Request(
+            request_id, prompt_token_ids, params, generator, prompt=prompt, arrival_time=arrival_time
+        )
         self.scheduler.add_request(req)
         return req
 
@@ -172,6 +185,24 @@ class LLMEngine:
         CUDA graph), ``eager_second_half_steps`` (second-half steps run eagerly), ``cuda_graph_enabled``,
         ``cuda_graph_capture_s`` (None before capture), ``num_preemptions``."""
         return {**self.runner.graphs.stats(), "num_preemptions": self.scheduler.num_preemptions}
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Abort one unfinished request between steps and free its blocks; returns it, or None when no
+        unfinished request has this id."""
+        return self.scheduler.abort_request(request_id)
+
+    def make_scheduler_stats(self) -> SchedulerStats:
+        """Running / waiting requests and KV usage now; preemptions and prefix-cache lookups since the
+        previous call (the one caller is AsyncLLM's stat logging)."""
+        preemptions = self.scheduler.num_preemptions - self._reported_preemptions
+        self._reported_preemptions = self.scheduler.num_preemptions
+        return SchedulerStats(
+            num_running_reqs=len(self.scheduler.running),
+            num_waiting_reqs=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv_manager.usage,
+            num_preemptions=preemptions,
+            prefix_cache_stats=self.kv_manager.make_prefix_cache_stats(),
+        )
 
     def abort_all(self) -> list[Request]:
         """Abort every unfinished request (the caller's call failed); returns them."""

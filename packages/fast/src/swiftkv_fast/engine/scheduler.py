@@ -199,6 +199,16 @@ class Scheduler:
         req.finish_reason = "abort"
         req.metrics.finished_time = time.time()
 
+    def abort_request(self, request_id: str) -> Request | None:
+        """Abort one unfinished request between steps: it leaves the queues and its blocks are freed
+        (they were all written by completed steps, so they stay in the prefix cache). Returns it, or
+        None when no unfinished request has this id (it finished already, or never existed)."""
+        with deferred_interrupts():
+            req = next((r for r in (*self.running, *self.waiting) if r.request_id == request_id), None)
+            if req is not None:
+                self._abort(req)
+            return req
+
     def abort_all(self) -> list[Request]:
         """Abort every unfinished request (their blocks, all written, stay cached); returns them."""
         with deferred_interrupts():

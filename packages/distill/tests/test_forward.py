@@ -56,6 +56,30 @@ def test_capture_gives_pre_rope_kv_and_residual():
     assert torch.equal(student.kv[4][0], student.kv[3][0]) and torch.equal(student.kv[2][1], student.kv[1][1])
 
 
+@pytest.mark.parametrize("swiftkv", [False, True])
+def test_start_from_a_kept_state_equals_the_full_forward(swiftkv):
+    """Distillation runs the student from the teacher's h_L: the same logits and states, bit for bit."""
+    config = tiny_config(**FORWARD_MODELS["qwen2_hybrid_swiftkv"])  # L = 1, AcrossKV, sliding layers
+    model = tiny_model(config, seed=1)
+    batch = _batch(config.vocab_size)
+    n, big_l = config.num_hidden_layers, config.num_key_value_layers
+    full = training_forward(
+        model, batch.input_ids, swiftkv=swiftkv, logits_mask=batch.logits_mask, keep_states=(0, big_l, n - 1)
+    )
+    torch.testing.assert_close(full.states[0], model.model.embed_tokens(batch.input_ids), rtol=0, atol=0)
+    resumed = training_forward(
+        model,
+        batch.input_ids,
+        swiftkv=swiftkv,
+        logits_mask=batch.logits_mask,
+        keep_states=(n - 1,),
+        start=(big_l, full.states[big_l]),
+    )
+    assert sorted(resumed.states) == [n - 1]
+    torch.testing.assert_close(resumed.logits, full.logits, rtol=0, atol=0)
+    torch.testing.assert_close(resumed.states[n - 1], full.states[n - 1], rtol=0, atol=0)
+
+
 def test_gradients_reach_swiftkv_parameters():
     config = tiny_config(**FORWARD_MODELS["qwen2_hybrid_swiftkv"])  # bias, AcrossKV, sliding layers
     model = tiny_model(config, seed=1)
@@ -94,3 +118,10 @@ def test_bad_input_is_refused():
         training_forward(model, ids, swiftkv=False, capture_from=4)
     with pytest.raises(ValueError, match="batch, num_tokens"):
         training_forward(model, ids[0], swiftkv=False)
+    h = torch.zeros(2, 5, model.config.hidden_size)
+    with pytest.raises(ValueError, match="start layer"):
+        training_forward(model, ids, swiftkv=False, start=(model.config.num_hidden_layers, h))
+    with pytest.raises(ValueError, match="start state must be"):
+        training_forward(model, ids, swiftkv=False, start=(1, h[:, :4]))
+    with pytest.raises(ValueError, match=r"keep_states / capture_from \[0\]"):
+        training_forward(model, ids, swiftkv=False, start=(1, h), keep_states=(0,))

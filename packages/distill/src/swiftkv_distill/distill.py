@@ -278,14 +278,24 @@ def _train(
 
 
 def _micro_batch_loss(model: SwiftKVForCausalLM, batch: Batch, config: DistillConfig):
-    """(loss, logits_loss, hidden_loss) of one Batch; the teacher runs without gradients."""
-    n = model.config.num_hidden_layers
+    """(loss, logits_loss, hidden_loss) of one Batch; the teacher runs without gradients, and the
+    student starts at layer L from the teacher's h_L (its layers < L are the teacher's, frozen)."""
+    n, big_l = model.config.num_hidden_layers, model.config.num_key_value_layers
     layer = config.hidden_loss_layer % (n + 1)  # n: norm(h_N)
-    capture = layer if layer < n else None
-    kwargs = dict(logits_mask=batch.logits_mask, capture_from=capture)
+    keep = {layer} if layer < n else set()
+    first = min(big_l, layer)  # where the two paths part (or the hidden loss's layer, if earlier)
     with torch.no_grad():
-        teacher = training_forward(model, batch.input_ids, swiftkv=False, **kwargs)
-    student = training_forward(model, batch.input_ids, swiftkv=True, **kwargs)
+        teacher = training_forward(
+            model, batch.input_ids, swiftkv=False, logits_mask=batch.logits_mask, keep_states=keep | {first}
+        )
+    student = training_forward(
+        model,
+        batch.input_ids,
+        swiftkv=True,
+        logits_mask=batch.logits_mask,
+        keep_states=keep,
+        start=(first, teacher.states[first]),
+    )
     rows = batch.attention_mask  # (B, T)
     return distill_loss(
         student.logits,
@@ -299,7 +309,7 @@ def _micro_batch_loss(model: SwiftKVForCausalLM, batch: Batch, config: DistillCo
 
 def _hidden_state(model: SwiftKVForCausalLM, out: ForwardOutput, layer: int) -> torch.Tensor:
     """Entry `layer` of (h_0, ..., h_{N-1}, norm(h_N)): (B, T, hidden)."""
-    return out.residual if layer < model.config.num_hidden_layers else model.model.norm(out.hidden)
+    return out.states[layer] if layer < model.config.num_hidden_layers else model.model.norm(out.hidden)
 
 
 def _cycle(batches: Iterable[Batch], skip: int) -> Iterator[Batch]:

@@ -20,10 +20,17 @@ are finite garbage to be masked by the caller.
     out = training_forward(teacher, ids, swiftkv=False, compute_logits=False, capture_from=L)
     out.residual # (B, T, hidden): h_L, the residual stream entering layer L
     out.kv[i]    # (pre-RoPE K, V) of layer i >= L, each (B, T, num_kv_heads * head_dim)
+    out = training_forward(teacher, ids, swiftkv=False, keep_states=(L,))
+    out.states[L]  # (B, T, hidden): h_L
+    student = training_forward(model, ids, swiftkv=True, start=(L, out.states[L]))  # skips layers < L
+
+`start` saves the first half of a SwiftKV forward whose layers < L are the teacher's (distillation:
+one model, two paths): it begins at layer l from a given h_l, which must be what layers < l produce.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +46,7 @@ class ForwardOutput:
     logits: torch.Tensor | None = None  # fp32 (B, T, vocab), or (P, vocab) at logits_mask
     residual: torch.Tensor | None = None  # (B, T, hidden): the stream entering layer capture_from
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # layer -> pre-RoPE (K, V)
+    states: dict[int, torch.Tensor] | None = None  # layer i -> (B, T, hidden): h_i, for keep_states
 
 
 def training_forward(
@@ -49,6 +57,8 @@ def training_forward(
     logits_mask: torch.Tensor | None = None,
     compute_logits: bool = True,
     capture_from: int | None = None,
+    keep_states: Collection[int] = (),
+    start: tuple[int, torch.Tensor] | None = None,
 ) -> ForwardOutput:
     """Run `model` densely over input_ids (B, T) from position 0 (see the module docstring).
 
@@ -58,6 +68,9 @@ def training_forward(
     capture_from: a layer index c; the output then holds `residual` (h_c) and `kv[i]` for i >= c: the
         pre-RoPE K and V that layer i attended with (on the SwiftKV path the members of an AcrossKV
         group hold the same tensors, their leader's).
+    keep_states: layer indices i; out.states[i] is h_i, the residual stream entering layer i.
+    start: (l, h_l), h_l (B, T, hidden): begin at layer l from h_l instead of the embeddings; layers
+        < l are skipped (l must not exceed L on the SwiftKV path, nor capture_from or keep_states).
     """
     cfg = model.config
     n = cfg.num_hidden_layers
@@ -73,6 +86,17 @@ def training_forward(
         raise ValueError(f"capture_from must be in [0, {n}), got {capture_from}")
     batch, num_tokens = input_ids.shape
     big_l = cfg.num_key_value_layers if swiftkv else n
+    first = 0 if start is None else start[0]
+    if not 0 <= first <= min(big_l, n - 1):
+        raise ValueError(f"start layer must be in [0, {min(big_l, n - 1)}], got {first}")
+    if start is not None and tuple(start[1].shape) != (batch, num_tokens, cfg.hidden_size):
+        raise ValueError(
+            f"start state must be {(batch, num_tokens, cfg.hidden_size)}, got {tuple(start[1].shape)}"
+        )
+    below = [i for i in (*keep_states, *([] if capture_from is None else [capture_from])) if i < first]
+    bad = [i for i in keep_states if not 0 <= i < n]
+    if below or bad:
+        raise ValueError(f"keep_states / capture_from {sorted(below + bad)} not in [{first}, {n})")
     layers = model.model.layers
     positions = torch.arange(num_tokens, device=input_ids.device)
     cos, sin = rope_cos_sin(model.inv_freq.to(input_ids.device), positions)  # (T, head_dim)
@@ -82,11 +106,14 @@ def training_forward(
     }  # window -> (T, T) bool, True where a query may see a key
 
     residual, captured = None, ({} if capture_from is not None else None)
-    h = model.model.embed_tokens(input_ids)  # (B, T, hidden)
+    states = {}
+    h = model.model.embed_tokens(input_ids) if start is None else start[1]  # (B, T, hidden)
     shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # SwiftKV leader -> pre-RoPE (K, V)
-    for i in range(n):
+    for i in range(first, n):
         if i == capture_from:
             residual = h
+        if i in keep_states:
+            states[i] = h
         if i == big_l:
             s = model.model.norm_swiftkv(h).reshape(batch * num_tokens, -1)  # (B*T, hidden)
             for g in range(big_l, n, cfg.key_value_group_size):
@@ -106,7 +133,7 @@ def training_forward(
     if compute_logits:
         rows = h if logits_mask is None else h[logits_mask]  # (B, T, hidden) / (P, hidden)
         logits = F.linear(model.model.norm(rows), model.lm_weight()).float()
-    return ForwardOutput(hidden=h, logits=logits, residual=residual, kv=captured)
+    return ForwardOutput(hidden=h, logits=logits, residual=residual, kv=captured, states=states)
 
 
 def _project_kv(attn: Attention, x: torch.Tensor, swiftkv: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,6 +41,30 @@ def test_ridge_solution_is_lstsq_and_batches_add_up(bias):
         torch.testing.assert_close(w_parts, w, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_weighted_fit_is_lstsq_of_the_scaled_rows(bias):
+    """Row weights w: the fit is least squares on rows scaled by sqrt(w), each key with its own weights."""
+    s, ys = _synthetic(150)
+    g = torch.Generator().manual_seed(5)
+    weights = {k: torch.rand(150, generator=g, dtype=torch.float64) * 3 for k in ys}
+    acc = Accumulator(12, {0: 5, 1: 6}, bias=bias, weighted=True)
+    for rows in (slice(0, 40), slice(40, 150)):
+        acc.update(s[rows], {k: y[rows] for k, y in ys.items()}, {k: w[rows] for k, w in weights.items()})
+    design = torch.cat([s, torch.ones(150, 1, dtype=torch.float64)], 1) if bias else s
+    for key, (w, b) in acc.solve(1e-12).items():
+        root = weights[key].sqrt()[:, None]
+        want = torch.linalg.lstsq(design * root, ys[key] * root).solution  # (in [+1], out)
+        torch.testing.assert_close(w, want[:12].T, rtol=0, atol=1e-8)
+        if bias:
+            torch.testing.assert_close(b, want[12], rtol=0, atol=1e-8)
+    with pytest.raises(ValueError, match="needs weights for every key"):
+        acc.update(s, ys)
+    with pytest.raises(ValueError, match="must be \\(150,\\) and >= 0"):
+        acc.update(s, ys, {0: -weights[0], 1: weights[1]})
+    with pytest.raises(ValueError, match="an unweighted one none"):
+        Accumulator(12, {0: 5, 1: 6}).update(s, ys, weights)
+
+
 def test_ridge_shrinks_weights_not_bias():
     """lam = ridge * mean(diag(S^T S)): with a huge ridge W -> 0 and the bias -> the mean of Y."""
     s, ys = _synthetic(300)
@@ -92,8 +116,10 @@ def _planted_teacher(name: str, big_l: int) -> SwiftKVForCausalLM:
 
 
 @pytest.mark.parametrize("name", sorted(PLAIN_MODELS))
-@pytest.mark.parametrize("group", [1, 2])
-def test_recovers_a_planted_projection(name, group):
+@pytest.mark.parametrize("group, weighting", [(1, "attention"), (1, "uniform"), (2, "uniform")])
+def test_recovers_a_planted_projection(name, group, weighting):
+    """Any positive weights recover an exact linear map; a group of G members that each have their
+    own map gets the members' mean with uniform weights."""
     big_l = 2
     teacher = _planted_teacher(name, big_l)
     config, state = calibrate(
@@ -102,6 +128,7 @@ def test_recovers_a_planted_projection(name, group):
         big_l,
         group,
         ridge=1e-12,
+        weighting=weighting,
         progress=False,
     )
     assert config.model_type.endswith("_swiftkv") and config.num_key_value_layers == big_l
@@ -137,12 +164,12 @@ def test_recovers_a_planted_projection(name, group):
 
 
 def test_group_target_is_the_mean_of_the_members():
-    """On a general teacher, G = 2 fits the members' mean K/V: the fitted leader equals the mean of
-    the two G = 1 fits (the normal equations are linear in Y and share S^T S)."""
+    """On a general teacher with uniform weights, G = 2 fits the members' mean K/V: the fitted leader
+    equals the mean of the two G = 1 fits (the normal equations are linear in Y and share S^T S)."""
     teacher = tiny_model(tiny_config(**PLAIN_MODELS["llama"]), seed=3)
     batches = _random_batches(teacher.config.vocab_size, 2, seed=1)
-    _, g1 = calibrate(teacher, batches, 2, 1, progress=False)
-    _, g2 = calibrate(teacher, batches, 2, 2, progress=False)
+    _, g1 = calibrate(teacher, batches, 2, 1, weighting="uniform", progress=False)
+    _, g2 = calibrate(teacher, batches, 2, 2, weighting="uniform", progress=False)
     for proj in ("k_proj_swiftkv", "v_proj_swiftkv"):
         mean = (
             g1[f"model.layers.2.self_attn.{proj}.weight"] + g1[f"model.layers.3.self_attn.{proj}.weight"]
@@ -201,6 +228,8 @@ def test_bad_settings_are_refused_before_reading_data():
         calibrate(teacher, no_batches(), 1, 2)
     with pytest.raises(ValueError, match="ridge must be >= 0"):
         calibrate(teacher, no_batches(), 2, ridge=-1.0)
+    with pytest.raises(ValueError, match="weighting must be one of attention, uniform"):
+        calibrate(teacher, no_batches(), 2, weighting="mass")
     with pytest.raises(CalibrationError, match="< num_hidden_layers"):
         calibrate(teacher, no_batches(), 4)
     with pytest.raises(CheckpointError, match="already a SwiftKV model"):

@@ -80,6 +80,28 @@ def test_start_from_a_kept_state_equals_the_full_forward(swiftkv):
     torch.testing.assert_close(resumed.states[n - 1], full.states[n - 1], rtol=0, atol=0)
 
 
+def test_attention_mass_is_the_attention_each_key_receives():
+    config = tiny_config(**FORWARD_MODELS["qwen2_hybrid_swiftkv"])  # sliding and full layers
+    model = tiny_model(config, seed=1)
+    batch = _batch(config.vocab_size)
+    queries = batch.attention_mask.clone()
+    queries[0, :5] = False  # only the counted queries add up
+    with torch.no_grad():
+        plain = training_forward(model, batch.input_ids, swiftkv=False, capture_from=2)
+        out = training_forward(model, batch.input_ids, swiftkv=False, capture_from=2, attention_mass=queries)
+    assert sorted(out.mass) == list(range(2, config.num_hidden_layers))
+    torch.testing.assert_close(out.logits, plain.logits)  # the explicit attention is the same attention
+    for i, mass in out.mass.items():
+        assert mass.shape == batch.input_ids.shape and bool((mass >= 0).all())
+        torch.testing.assert_close(mass.sum(1), queries.sum(1).to(mass.dtype))  # every query spends 1
+        # causal: the last real key of a row is seen only by itself (and the pads after it)
+        n = LENGTHS[1]
+        window = config.window(i)
+        assert float(mass[1, n - 1]) <= 1 + 1e-5 and (window is None or float(mass[1, 0]) <= window)
+    with pytest.raises(ValueError, match="attention_mass needs capture_from"):
+        training_forward(model, batch.input_ids, swiftkv=False, attention_mass=queries)
+
+
 def test_gradients_reach_swiftkv_parameters():
     config = tiny_config(**FORWARD_MODELS["qwen2_hybrid_swiftkv"])  # bias, AcrossKV, sliding layers
     model = tiny_model(config, seed=1)

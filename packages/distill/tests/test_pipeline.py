@@ -50,6 +50,7 @@ BAD_SETTINGS = [  # (field, bad value)
     ("holdout_share", 1.5),
     ("ridge", -1e-4),
     ("ridge", math.nan),
+    ("weighting", "mass"),
     ("lr", 0),
     ("lr", math.inf),
     ("device", "tpu"),
@@ -251,11 +252,12 @@ def test_cached_student_keys(tmp_path, monkeypatch):
         DistillSettings(num_key_value_layers=2, steps=3),
         DistillSettings(num_key_value_layers=2, seed=1),
         DistillSettings(num_key_value_layers=2, ridge=1e-3),
+        DistillSettings(num_key_value_layers=2, weighting="uniform"),
     ):
         path, cached = cached_student(teacher, other, cache_root=root)
         assert not cached and path not in paths
         paths.add(path)
-    assert len(run.calls) == 6
+    assert len(run.calls) == 7
 
     copy = shutil.copytree(teacher, tmp_path / "copy")
     assert teacher_fingerprint(copy) == teacher_fingerprint(teacher)

@@ -14,6 +14,7 @@ import logging
 import sys
 from pathlib import Path
 
+from .calibrate import DEFAULT_RIDGE, DEFAULT_WEIGHTING, WEIGHTINGS
 from .data import DEFAULT_HOLDOUT_SHARE, DEFAULT_TEMPERATURE
 
 USER_ERRORS = (ValueError, OSError)
@@ -109,7 +110,13 @@ def add_parsers(sub) -> None:
     t = d.add_argument_group("fit")
     t.add_argument("--batch-tokens", type=int, default=2048, help="tokens per calibration / training batch")
     t.add_argument(
-        "--ridge", type=float, default=1e-4, help="ridge strength of the closed-form fit (relative)"
+        "--ridge", type=float, default=DEFAULT_RIDGE, help="ridge strength of the closed-form fit (relative)"
+    )
+    t.add_argument(
+        "--weighting",
+        choices=WEIGHTINGS,
+        default=DEFAULT_WEIGHTING,
+        help="calibration: weight each token's K/V by the attention it receives (default) or uniformly",
     )
     t.add_argument("--steps", type=int, default=0, help="distillation steps after the calibration (0: none)")
     t.add_argument("--lr", type=float, default=2e-4, help="distillation learning rate (AdamW, cosine decay)")
@@ -163,6 +170,7 @@ def _distill(args) -> None:
         args.key_value_group_size,
         batch_tokens=args.batch_tokens,
         ridge=args.ridge,
+        weighting=args.weighting,
         steps=args.steps,
         lr=args.lr,
     )

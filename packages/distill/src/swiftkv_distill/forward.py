@@ -47,6 +47,7 @@ class ForwardOutput:
     residual: torch.Tensor | None = None  # (B, T, hidden): the stream entering layer capture_from
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # layer -> pre-RoPE (K, V)
     states: dict[int, torch.Tensor] | None = None  # layer i -> (B, T, hidden): h_i, for keep_states
+    mass: dict[int, torch.Tensor] | None = None  # layer i >= capture_from -> (B, T), see attention_mass
 
 
 def training_forward(
@@ -59,6 +60,7 @@ def training_forward(
     capture_from: int | None = None,
     keep_states: Collection[int] = (),
     start: tuple[int, torch.Tensor] | None = None,
+    attention_mass: torch.Tensor | None = None,
 ) -> ForwardOutput:
     """Run `model` densely over input_ids (B, T) from position 0 (see the module docstring).
 
@@ -71,6 +73,10 @@ def training_forward(
     keep_states: layer indices i; out.states[i] is h_i, the residual stream entering layer i.
     start: (l, h_l), h_l (B, T, hidden): begin at layer l from h_l instead of the embeddings; layers
         < l are skipped (l must not exceed L on the SwiftKV path, nor capture_from or keep_states).
+    attention_mass: (B, T) bool, the queries to count (with capture_from): out.mass[i] for i >= c is
+        (B, T), the attention each key receives in layer i, summed over those queries and averaged
+        over the heads (a row's masses sum to its number of counted queries). Those layers then
+        compute attention explicitly (a (B, heads, T, T) temporary) instead of with SDPA.
     """
     cfg = model.config
     n = cfg.num_hidden_layers
@@ -94,6 +100,8 @@ def training_forward(
             f"start state must be {(batch, num_tokens, cfg.hidden_size)}, got {tuple(start[1].shape)}"
         )
     below = [i for i in (*keep_states, *([] if capture_from is None else [capture_from])) if i < first]
+    if attention_mass is not None and (capture_from is None or attention_mass.shape != input_ids.shape):
+        raise ValueError("attention_mass needs capture_from and the shape of input_ids")
     bad = [i for i in keep_states if not 0 <= i < n]
     if below or bad:
         raise ValueError(f"keep_states / capture_from {sorted(below + bad)} not in [{first}, {n})")
@@ -106,7 +114,7 @@ def training_forward(
     }  # window -> (T, T) bool, True where a query may see a key
 
     residual, captured = None, ({} if capture_from is not None else None)
-    states = {}
+    states, mass = {}, ({} if attention_mass is not None else None)
     h = model.model.embed_tokens(input_ids) if start is None else start[1]  # (B, T, hidden)
     shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # SwiftKV leader -> pre-RoPE (K, V)
     for i in range(first, n):
@@ -126,14 +134,18 @@ def training_forward(
             captured[i] = (k.view(batch, num_tokens, -1), v.view(batch, num_tokens, -1))
         q = layer.self_attn.project_q(x, cos, sin, swiftkv=not own)  # (B*T, heads, head_dim)
         k = apply_rope(k.view(batch * num_tokens, -1, cfg.head_dim), cos, sin)
-        attn = _sdpa(q, k, v, batch, masks[cfg.window(i)], model.scale)  # (B, T, heads * head_dim)
+        mask = masks[cfg.window(i)]
+        if mass is not None and i >= capture_from:
+            attn, mass[i] = _attention_with_mass(q, k, v, batch, mask, model.scale, attention_mass)
+        else:
+            attn = _sdpa(q, k, v, batch, mask, model.scale)  # (B, T, heads * head_dim)
         h = h + layer.self_attn.o_proj(attn)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     logits = None
     if compute_logits:
         rows = h if logits_mask is None else h[logits_mask]  # (B, T, hidden) / (P, hidden)
         logits = F.linear(model.model.norm(rows), model.lm_weight()).float()
-    return ForwardOutput(hidden=h, logits=logits, residual=residual, kv=captured, states=states)
+    return ForwardOutput(hidden=h, logits=logits, residual=residual, kv=captured, states=states, mass=mass)
 
 
 def _project_kv(attn: Attention, x: torch.Tensor, swiftkv: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,15 +155,31 @@ def _project_kv(attn: Attention, x: torch.Tensor, swiftkv: bool) -> tuple[torch.
     return attn.k_proj(x), attn.v_proj(x)
 
 
-def _sdpa(q, k, v, batch: int, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: (B*T, heads, d), k: (B*T, kv_heads, d) after RoPE, v: (B*T, kv_heads * d); mask: (T, T) bool.
-    Returns (B, T, heads * d)."""
+def _heads(q, k, v, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q: (B*T, heads, d), k: (B*T, kv_heads, d), v: (B*T, kv_heads * d) -> each (B, heads, T, d)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k.shape[1]
     q = q.view(batch, -1, num_heads, head_dim).transpose(1, 2)  # (B, heads, T, d)
     k = k.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # (B, kv_heads, T, d)
     v = v.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
     rep = num_heads // num_kv_heads
-    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, heads, T, d)
-    out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
-    return out.transpose(1, 2).reshape(batch, -1, num_heads * head_dim)
+    return q, k.repeat_interleave(rep, dim=1).to(q.dtype), v.repeat_interleave(rep, dim=1).to(q.dtype)
+
+
+def _sdpa(q, k, v, batch: int, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: (B*T, heads, d), k: (B*T, kv_heads, d) after RoPE, v: (B*T, kv_heads * d); mask: (T, T) bool.
+    Returns (B, T, heads * d)."""
+    q, k, v = _heads(q, k, v, batch)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # (B, heads, T, d)
+    return out.transpose(1, 2).reshape(batch, q.shape[2], -1)
+
+
+def _attention_with_mass(q, k, v, batch: int, mask: torch.Tensor, scale: float, queries: torch.Tensor):
+    """_sdpa's attention, explicitly, and the mass each key receives from the `queries` (B, T) bool:
+    -> ((B, T, heads * d), (B, T))."""
+    q, k, v = _heads(q, k, v, batch)
+    scores = (q @ k.transpose(-1, -2)) * scale  # (B, heads, T, T)
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    out = (probs @ v).transpose(1, 2).reshape(batch, q.shape[2], -1)
+    mass = (probs * queries[:, None, :, None].to(probs.dtype)).sum(2).mean(1)  # (B, T)
+    return out, mass

@@ -26,7 +26,7 @@ from swiftkv_reference.checkpoint import TOKENIZER_FILES, check_conversion_paths
 from swiftkv_reference.config import SwiftKVConfig
 from swiftkv_reference.model import SwiftKVForCausalLM
 
-from .calibrate import DEFAULT_RIDGE, calibrate
+from .calibrate import DEFAULT_RIDGE, DEFAULT_WEIGHTING, WEIGHTINGS, calibrate
 from .data import (
     DEFAULT_HOLDOUT_SHARE,
     DEFAULT_TEMPERATURE,
@@ -58,6 +58,7 @@ class DistillSettings:
     holdout_share: float = DEFAULT_HOLDOUT_SHARE  # of the prompts, kept for evaluation only
     batch_tokens: int = 2048  # tokens (padding included) per calibration / training batch
     ridge: float = DEFAULT_RIDGE
+    weighting: str = DEFAULT_WEIGHTING  # calibration rows: "attention" (each key's attention) or "uniform"
     steps: int = 0  # distillation steps after the calibration (0: calibration only)
     lr: float = 2e-4
     greedy_tokens: int = 32  # greedy agreement over this many tokens per held-out prompt
@@ -82,6 +83,8 @@ class DistillSettings:
                 raise ValueError(f"{name} must be a finite number {must}, got {value!r}")
             if not ok(value):
                 raise ValueError(f"{name} must be {must}, got {value!r}")
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting must be one of {', '.join(WEIGHTINGS)}, got {self.weighting!r}")
         try:
             torch.device(self.device)
         except RuntimeError as e:
@@ -234,6 +237,7 @@ def run_distill(
         settings.num_key_value_layers,
         settings.key_value_group_size,
         ridge=settings.ridge,
+        weighting=settings.weighting,
     )
     seconds["calibrate"] = time.perf_counter() - t
     student = _model(config, state, settings.device)

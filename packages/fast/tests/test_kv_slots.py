@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TINY_MODELS, random_prompts, reference_greedy
+from kvcache import FullAttentionSpec, SlidingWindowSpec
 from swiftkv_fast import LLM, SamplingParams
-from swiftkv_fast.worker.kv_cache import bytes_per_block, kv_slots, num_kv_slots
+from swiftkv_fast.model.kv_cache_layout import KVCacheLayout
 from swiftkv_reference.testing import fp32_atol
 
 HYBRID = TINY_MODELS["hybrid"]
@@ -16,17 +17,30 @@ HYBRID_ACROSSKV = TINY_MODELS["hybrid_swiftkv"]
 NON_HYBRID = {name: TINY_MODELS[name] for name in ("full", "swiftkv_g2", "mistral_swiftkv_g2")}
 
 
-def _groups(llm) -> list[int]:
-    from swiftkv_fast.engine.llm_engine import kv_cache_groups
-
-    return kv_cache_groups(llm.config, llm.llm_engine.econf.block_size)[1]
+def _layout(groups: list[int]) -> KVCacheLayout:
+    specs = (FullAttentionSpec(16), SlidingWindowSpec(16, 8))[: len(set(groups))]
+    return KVCacheLayout(specs, tuple(groups), num_kv_heads=2, head_dim=4, dtype=torch.float32)
 
 
 def test_kv_slots_mapping():
-    assert kv_slots([0, 0, 0]) == [0, 1, 2] and num_kv_slots([0, 0, 0]) == 3
-    assert kv_slots([0, 1, 0, 1]) == [0, 0, 1, 1] and num_kv_slots([0, 1, 0, 1]) == 2
-    assert kv_slots([0, 0, 0, 1, 1]) == [0, 1, 2, 0, 1] and num_kv_slots([0, 0, 0, 1, 1]) == 3
-    assert kv_slots([0, 1, 0]) == [0, 0, 1] and num_kv_slots([1, 0, 1, 1]) == 3
+    for groups, slots in [
+        ([0, 0, 0], [0, 1, 2]),
+        ([0, 1, 0, 1], [0, 0, 1, 1]),
+        ([0, 0, 0, 1, 1], [0, 1, 2, 0, 1]),
+        ([0, 1, 0], [0, 0, 1]),
+        ([1, 0, 1, 1], [0, 0, 1, 2]),
+    ]:
+        layout = _layout(groups)
+        assert layout.kv_slot == tuple(slots) and layout.num_kv_slots == max(slots) + 1
+        assert layout.kv_cache_shape(7) == (max(slots) + 1, 2, 7, 16, 2, 4)
+        assert layout.bytes_per_block == (max(slots) + 1) * 2 * 16 * 2 * 4 * 4
+
+
+def test_layout_refuses_groups_without_layers_and_mixed_block_sizes():
+    with pytest.raises(ValueError, match="each of the 2 kvcache groups"):
+        KVCacheLayout((FullAttentionSpec(16), SlidingWindowSpec(16, 8)), (0, 0), 2, 4, torch.float32)
+    with pytest.raises(ValueError, match="one block_size"):
+        KVCacheLayout((FullAttentionSpec(16), SlidingWindowSpec(8, 8)), (0, 1), 2, 4, torch.float32)
 
 
 @pytest.mark.parametrize("name", list(NON_HYBRID))
@@ -35,7 +49,7 @@ def test_non_hybrid_slot_is_cache_layer(tiny, name):
     llm = LLM.from_state_dict(cfg, state, kv_cache_memory=1 << 20, block_size=16, max_model_len=128)
     runner = llm.llm_engine.runner
     n = cfg.num_cache_layers
-    assert runner.model.kv_slot == list(range(n)) and runner.kv_cache.shape[0] == n
+    assert list(runner.model.kv_slot) == list(range(n)) and runner.kv_cache.shape[0] == n
     per_block = n * 2 * 16 * cfg.num_key_value_heads * cfg.head_dim * 4
     assert runner.kv_cache.shape[2] == (1 << 20) // per_block
 
@@ -55,7 +69,9 @@ def test_hybrid_blocks_per_byte(tiny, overrides, slots, ratio):
     cfg, state, _ = tiny(**overrides)
     mem, bs = 4 << 20, 16
     llm = LLM.from_state_dict(cfg, state, kv_cache_memory=mem, block_size=bs, max_model_len=256)
-    runner, groups = llm.llm_engine.runner, _groups(llm)
+    runner = llm.llm_engine.runner
+    layout = runner.layout
+    groups = list(layout.group_of_cache_layer)
     assert len(set(groups)) == 2
     kv = runner.kv_cache
     per_slot = 2 * bs * cfg.num_key_value_heads * cfg.head_dim * kv.element_size()
@@ -65,13 +81,13 @@ def test_hybrid_blocks_per_byte(tiny, overrides, slots, ratio):
     assert kv.nbytes <= mem
     unshared = mem // (cfg.num_cache_layers * per_slot)  # one slot per cache layer (the old layout)
     assert num_blocks / unshared == pytest.approx(ratio, rel=0.01)
-    assert bytes_per_block(cfg, bs, torch.float32, groups) == kv.shape[0] * per_slot
-    assert runner.model.kv_slot == slots == kv_slots(groups)
+    assert layout.bytes_per_block == kv.shape[0] * per_slot and kv.shape == layout.kv_cache_shape(num_blocks)
+    assert list(runner.model.kv_slot) == slots == list(layout.kv_slot)
     torch.testing.assert_close(kv, torch.zeros_like(kv))
     # every second-half write run is a plain slice: consecutive in cache layer and in slot
     for a, b, g in runner.model.swiftkv_write_runs:
         assert {groups[c] for c in range(a, b)} == {g}
-        assert runner.model.kv_slot[a:b] == list(range(slots[a], slots[a] + b - a))
+        assert list(runner.model.kv_slot[a:b]) == list(range(slots[a], slots[a] + b - a))
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from swiftkv_fast.config import EngineConfig
-from swiftkv_fast.engine.llm_engine import LLMEngine, kv_cache_groups
+from swiftkv_fast.engine.llm_engine import LLMEngine
 from swiftkv_fast.engine.request import Request
 from swiftkv_fast.inputs import (
     PromptType,
@@ -41,7 +41,6 @@ from swiftkv_fast.logger import init_logger
 from swiftkv_fast.model.loader import apply_swiftkv_options, load_checkpoint
 from swiftkv_fast.outputs import CompletionOutput, RequestOutput
 from swiftkv_fast.sampling_params import SamplingParams, describe
-from swiftkv_fast.worker.kv_cache import bytes_per_block
 
 logger = init_logger(__name__)
 
@@ -68,12 +67,6 @@ class LLM:
         return self
 
     def _start(self, econf: EngineConfig, config, state_dict, tokenizer) -> None:
-        if econf.num_kv_blocks is not None:  # the model fixes a block's size: checked before allocating
-            per_block = bytes_per_block(
-                config, econf.block_size, econf.dtype, kv_cache_groups(config, econf.block_size)[1]
-            )
-            what = f"num_kv_blocks={econf.num_kv_blocks} ({per_block} bytes each)"
-            econf.check_kv_cache_fits(econf.num_kv_blocks * per_block, what)
         self.llm_engine = LLMEngine(econf, config, state_dict, tokenizer)
         self._busy = threading.Lock()  # held by the one generate/chat call in progress
 

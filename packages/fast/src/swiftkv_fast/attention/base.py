@@ -2,7 +2,8 @@
 
 KV cache: one tensor per engine, `(num_kv_slots, 2, num_blocks, block_size, num_kv_heads, head_dim)`;
 cache layer `c` reads `kv_cache[s, 0]` (K) and `kv_cache[s, 1]` (V) with `s` its physical KV slot
-(worker/kv_cache.py `kv_slots`; the kvcache groups of a hybrid model share slots, never block ids).
+(model/kv_cache_layout.py `KVCacheLayout.kv_slot`; the kvcache groups of a hybrid model share slots,
+never block ids).
 The slot of position `p` of a request is `block_table[p // block_size] * block_size + p % block_size`.
 """
 

@@ -6,13 +6,14 @@ import random
 import time
 
 import torch
-from kvcache import FullAttentionSpec, KVCacheManager, SlidingWindowSpec
+from kvcache import KVCacheManager
 
 from swiftkv_fast.config import EngineConfig
 from swiftkv_fast.engine.request import Request
 from swiftkv_fast.engine.scheduler import Scheduler, SchedulerOutput
 from swiftkv_fast.engine.stats import SchedulerStats
 from swiftkv_fast.logger import init_logger
+from swiftkv_fast.model.kv_cache_layout import KVCacheLayout
 from swiftkv_fast.model.loader import build_weights
 from swiftkv_fast.sampler import top_logprobs
 from swiftkv_fast.sampling_params import SamplingParams
@@ -22,17 +23,12 @@ from swiftkv_fast.worker.model_runner import ModelRunner, ModelRunnerOutput
 logger = init_logger(__name__)
 
 
-def kv_cache_groups(config, block_size: int) -> tuple[list, list[int]]:
-    """One kvcache group per attention type (window) among the cache layers, in order of appearance.
-    -> (specs, group of each cache layer)."""
-    windows = [config.cache_window(c) for c in range(config.num_cache_layers)]
-    keys = list(dict.fromkeys(windows))
-    specs = [FullAttentionSpec(block_size) if w is None else SlidingWindowSpec(block_size, w) for w in keys]
-    return specs, [keys.index(w) for w in windows]
-
-
 class LLMEngine:
     def __init__(self, econf: EngineConfig, config, state_dict: dict[str, torch.Tensor], tokenizer=None):
+        layout = KVCacheLayout.from_config(config, econf.block_size, econf.dtype)
+        if econf.num_kv_blocks is not None:  # the model fixes a block's size: checked before allocating
+            what = f"num_kv_blocks={econf.num_kv_blocks} ({layout.bytes_per_block} bytes each)"
+            econf.check_kv_cache_fits(econf.num_kv_blocks * layout.bytes_per_block, what)
         if econf.max_model_len is None:
             econf.max_model_len = config.max_position_embeddings
         elif econf.max_model_len > config.max_position_embeddings:
@@ -41,20 +37,14 @@ class LLMEngine:
                 f"{config.max_position_embeddings}"
             )
         self.econf, self.config, self.tokenizer = econf, config, tokenizer
-        specs, group_of_cache_layer = kv_cache_groups(config, econf.block_size)
-        per_request = sum(
-            s.max_num_held_blocks(econf.max_model_len, econf.max_num_batched_tokens) for s in specs
-        )
-        weights = build_weights(config, state_dict, econf.dtype, econf.device, group_of_cache_layer)
+        per_request = layout.max_num_held_blocks(econf.max_model_len, econf.max_num_batched_tokens)
+        weights = build_weights(config, state_dict, econf.dtype, econf.device, layout)
         num_blocks = num_blocks_for(
-            config,
-            econf.block_size,
-            econf.dtype,
+            layout,
             econf.device,
             econf.num_kv_blocks,
             econf.kv_cache_memory,
             max_blocks_useful=1 + econf.max_num_seqs * per_request,
-            group_of_cache_layer=group_of_cache_layer,
         )
         if num_blocks - 1 < per_request:
             raise ValueError(
@@ -63,7 +53,7 @@ class LLMEngine:
                 "give it more memory or lower max_model_len"
             )
         self.kv_manager = KVCacheManager(
-            groups=specs,
+            groups=layout.specs,
             num_blocks=num_blocks,
             max_model_len=econf.max_model_len,
             enable_caching=econf.enable_prefix_caching,
@@ -73,8 +63,7 @@ class LLMEngine:
             weights,
             econf,
             num_blocks,
-            group_of_cache_layer,
-            len(specs),
+            layout,
             eos_token_ids=config.eos_token_id,
         )
         self.scheduler = Scheduler(
@@ -97,17 +86,9 @@ class LLMEngine:
             str(econf.dtype).removeprefix("torch."),
             econf.device,
             self.runner.backend.name,
-            len(specs),
+            layout.num_groups,
         )
-        log_kv_cache(
-            config,
-            num_blocks,
-            econf.block_size,
-            econf.dtype,
-            econf.max_model_len,
-            per_request,
-            group_of_cache_layer,
-        )
+        log_kv_cache(config, layout, num_blocks, econf.max_model_len, per_request)
 
     def detokenize(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from swiftkv_fast.logger import init_logger
+from swiftkv_fast.model.kv_cache_layout import KVCacheLayout
 from swiftkv_fast.model.layers import Linear
 from swiftkv_fast.model.swiftkv_model import LayerWeights, ModelWeights
 
@@ -80,9 +81,7 @@ def apply_swiftkv_options(config, state_dict, num_key_value_layers, key_value_gr
     return swiftkv_init(config, state_dict, want_l, want_g)
 
 
-def build_weights(
-    config, sd: dict[str, torch.Tensor], dtype, device, group_of_cache_layer: list[int]
-) -> ModelWeights:
+def build_weights(config, sd: dict[str, torch.Tensor], dtype, device, layout: KVCacheLayout) -> ModelWeights:
     """Fuse q/k/v, gate/up, and all group leaders' k/v_proj_swiftkv; drop unused teacher weights."""
     L, n = config.num_key_value_layers, config.num_hidden_layers
 
@@ -120,7 +119,7 @@ def build_weights(
                 down=Linear(t(p + "mlp.down_proj.weight")),
                 window=config.window(i),
                 cache_layer=c,
-                group=group_of_cache_layer[c],
+                group=layout.group_of_cache_layer[c],
             )
         )
     embed = t("model.embed_tokens.weight")

@@ -9,8 +9,8 @@ function of static-shaped inputs only (hidden, positions, seq_lens, one block ta
 group), which is what a CUDA graph captures (worker/cuda_graph_runner.py). L == N is the plain model
 (the second half is then the final norm and lm_head). Weights are fused at load (model/loader.py):
 qkv, gate_up, and the k/v_proj_swiftkv of all group leaders in one matrix. Cache layer c lives in
-physical KV slot `self.kv_slot[c]` of the engine's tensor (worker/kv_cache.py `kv_slots`: the i-th
-cache layer of each kvcache group is slot i; a hybrid model's groups share slots, never block ids).
+physical KV slot `self.kv_slot[c]` of the engine's tensor (model/kv_cache_layout.py: the i-th cache
+layer of each kvcache group is slot i; a hybrid model's groups share slots, never block ids).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from swiftkv_fast.attention.base import AttentionBackend
+from swiftkv_fast.model.kv_cache_layout import KVCacheLayout
 from swiftkv_fast.model.layers import Linear, RotaryTable, apply_rope, rms_norm, silu_and_mul
 from swiftkv_fast.worker.input_batch import ModelInput
-from swiftkv_fast.worker.kv_cache import kv_slots
 
 
 @dataclass
@@ -60,7 +60,7 @@ class SwiftKVModel:
         head_dim: int,
         eps: float,
         rotary: RotaryTable,
-        cache_layer_groups: list[int],  # kvcache group of each cache layer
+        layout: KVCacheLayout,
         backend: AttentionBackend,
     ):
         self.w = weights
@@ -70,19 +70,10 @@ class SwiftKVModel:
         self.rotary = rotary
         self.backend = backend
         self.scale = head_dim**-0.5
-        # physical KV slot of every cache layer: the one mapping (worker/kv_cache.py)
-        self.kv_slot = kv_slots(cache_layer_groups)
+        self.kv_slot = layout.kv_slot  # physical KV slot of every cache layer
         # runs [a, b) of second-half cache layers in one group whose slots are consecutive too:
         # one write_kv each, on the plain slice kv_cache[kv_slot[a] : kv_slot[a] + b - a]
-        self.swiftkv_write_runs: list[tuple[int, int, int]] = []
-        for c in range(self.L, len(cache_layer_groups)):
-            g = cache_layer_groups[c]
-            if self.swiftkv_write_runs:
-                a, b, last = self.swiftkv_write_runs[-1]
-                if last == g and self.kv_slot[c] == self.kv_slot[a] + (b - a):
-                    self.swiftkv_write_runs[-1] = (a, c + 1, g)
-                    continue
-            self.swiftkv_write_runs.append((c, c + 1, g))
+        self.swiftkv_write_runs = layout.slot_runs(self.L)
 
     def _mlp(self, h: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
         x = rms_norm(h, lw.post_norm, self.eps)

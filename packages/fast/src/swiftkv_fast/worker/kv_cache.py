@@ -1,22 +1,12 @@
-"""KV cache sizing and allocation: one tensor
-(num_kv_slots, 2, num_blocks, block_size, num_kv_heads, head_dim).
-
-AcrossKV groups share a cache layer (config.cache_layer). Hybrid models go one step further, as
-vLLM v1 does: their kvcache groups (one per attention type) draw block ids from ONE shared pool, and
-a block id belongs to at most one group at a time, so one cache layer of each group can live in the
-same physical storage without the groups ever touching each other's blocks. The i-th cache layer of
-every group goes to physical KV slot i (`kv_slots`), so the tensor has max(group size) slots instead
-of num_cache_layers, and a block costs `bytes_per_block` over those slots only. With one group
-(every non-hybrid model) slot == cache layer."""
+"""KV cache sizing and allocation: one tensor of `KVCacheLayout.kv_cache_shape(num_blocks)`
+(model/kv_cache_layout.py: the kvcache groups, the physical KV slot of each cache layer)."""
 
 from __future__ import annotations
-
-from collections import Counter
-from collections.abc import Sequence
 
 import torch
 
 from swiftkv_fast.logger import init_logger
+from swiftkv_fast.model.kv_cache_layout import KVCacheLayout
 
 logger = init_logger(__name__)
 
@@ -24,46 +14,15 @@ DEFAULT_CPU_KV_BYTES = 1 << 30
 GPU_MEMORY_FRACTION = 0.85
 
 
-def kv_slots(group_of_cache_layer: Sequence[int]) -> list[int]:
-    """The physical KV slot of every cache layer: the i-th cache layer (in order) of each kvcache
-    group goes to slot i. The one definition of the layout; everything indexing the KV tensor by
-    cache layer goes through it."""
-    seen: Counter[int] = Counter()
-    slots = []
-    for g in group_of_cache_layer:
-        slots.append(seen[g])
-        seen[g] += 1
-    return slots
-
-
-def num_kv_slots(group_of_cache_layer: Sequence[int]) -> int:
-    """Physical KV slots of the tensor: the size of the largest kvcache group."""
-    return max(kv_slots(group_of_cache_layer)) + 1
-
-
-def bytes_per_block(config, block_size: int, dtype: torch.dtype, group_of_cache_layer: Sequence[int]) -> int:
-    """Bytes of one block id over every physical KV slot (K and V)."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    per_slot = 2 * block_size * config.num_key_value_heads * config.head_dim * elem
-    return num_kv_slots(group_of_cache_layer) * per_slot
-
-
 def num_blocks_for(
-    config,
-    block_size,
-    dtype,
-    device,
-    num_kv_blocks,
-    kv_cache_memory,
-    max_blocks_useful,
-    group_of_cache_layer: Sequence[int],
+    layout: KVCacheLayout, device, num_kv_blocks, kv_cache_memory, max_blocks_useful: int
 ) -> int:
     """num_kv_blocks, else kv_cache_memory bytes, else 1 GiB on CPU / 85% of free memory on CUDA,
     capped at what max_num_seqs requests of max_model_len tokens could use. A block costs
-    `bytes_per_block` (the physical KV slots, not the cache layers)."""
+    `layout.bytes_per_block` (the physical KV slots, not the cache layers)."""
     if num_kv_blocks is not None:
         return num_kv_blocks
-    per_block = bytes_per_block(config, block_size, dtype, group_of_cache_layer)
+    per_block = layout.bytes_per_block
     if kv_cache_memory is None:
         if torch.device(device).type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
@@ -80,41 +39,27 @@ def num_blocks_for(
     return int(num)
 
 
-def allocate_kv_cache(
-    config, num_blocks: int, block_size: int, dtype, device, group_of_cache_layer: Sequence[int]
-) -> torch.Tensor:
+def allocate_kv_cache(layout: KVCacheLayout, num_blocks: int, device) -> torch.Tensor:
     """(num_kv_slots, 2, num_blocks, block_size, kv_heads, head_dim); cache layer c lives at
-    ``kv_slots(group_of_cache_layer)[c]``."""
+    ``layout.kv_slot[c]``."""
     # zeros: the null block and stale blocks (possibly another group's, in a shared slot) must hold
     # finite values (they are masked, not skipped)
-    return torch.zeros(
-        num_kv_slots(group_of_cache_layer),
-        2,
-        num_blocks,
-        block_size,
-        config.num_key_value_heads,
-        config.head_dim,
-        dtype=dtype,
-        device=device,
-    )
+    return torch.zeros(layout.kv_cache_shape(num_blocks), dtype=layout.dtype, device=device)
 
 
-def log_kv_cache(
-    config, num_blocks, block_size, dtype, max_model_len, blocks_per_request, group_of_cache_layer
-) -> None:
-    total = bytes_per_block(config, block_size, dtype, group_of_cache_layer) * num_blocks
+def log_kv_cache(config, layout: KVCacheLayout, num_blocks, max_model_len, blocks_per_request) -> None:
     logger.info(
         "KV cache: %d blocks of %d tokens (%.1f MiB), %d cache layers for %d model layers (%.0f%% of the "
         "full model's KV per token), %d physical KV slot(s) for %d kvcache group(s); maximum concurrency "
         "for %d-token requests: %.2fx",
         num_blocks,
-        block_size,
-        total / 2**20,
+        layout.block_size,
+        layout.bytes_per_block * num_blocks / 2**20,
         config.num_cache_layers,
         config.num_hidden_layers,
         100 * config.num_cache_layers / config.num_hidden_layers,
-        num_kv_slots(group_of_cache_layer),
-        len(set(group_of_cache_layer)),
+        layout.num_kv_slots,
+        layout.num_groups,
         max_model_len,
         (num_blocks - 1) / blocks_per_request,
     )

@@ -15,6 +15,7 @@ from swiftkv_fast.attention import get_attention_backend
 from swiftkv_fast.config import EngineConfig
 from swiftkv_fast.engine.scheduler import SchedulerOutput
 from swiftkv_fast.engine.stop import min_tokens_banned_ids
+from swiftkv_fast.model.kv_cache_layout import KVCacheLayout
 from swiftkv_fast.model.layers import RotaryTable
 from swiftkv_fast.model.swiftkv_model import ModelWeights, SwiftKVModel
 from swiftkv_fast.sampler import sample
@@ -38,8 +39,7 @@ class ModelRunner:
         weights: ModelWeights,
         econf: EngineConfig,
         num_blocks: int,
-        group_of_cache_layer: list[int],
-        num_groups: int,
+        layout: KVCacheLayout,
         eos_token_ids: list[int] | None = None,
     ):
         from swiftkv_reference.rope import rope_inv_freq
@@ -48,7 +48,7 @@ class ModelRunner:
         self.eos_token_ids = frozenset(eos_token_ids or ())  # masked before min_tokens (unless ignore_eos)
         self.device = torch.device(econf.device)
         self.block_size = econf.block_size
-        self.num_groups = num_groups
+        self.layout = layout
         self.backend = get_attention_backend(econf.attention_backend, self.device)
         self.model = SwiftKVModel(
             weights,
@@ -58,24 +58,22 @@ class ModelRunner:
             head_dim=config.head_dim,
             eps=config.rms_norm_eps,
             rotary=RotaryTable(rope_inv_freq(config), econf.max_model_len, self.device),
-            cache_layer_groups=group_of_cache_layer,
+            layout=layout,
             backend=self.backend,
         )
-        self.kv_cache = allocate_kv_cache(
-            config, num_blocks, econf.block_size, econf.dtype, self.device, group_of_cache_layer
-        )
+        self.kv_cache = allocate_kv_cache(layout, num_blocks, self.device)
         self.econf = econf
         self.graphs = self.make_graphs()
 
     def make_graphs(self, *, emulate: bool = False, sizes: list[int] | None = None) -> SecondHalfGraphs:
         """The second half's graph runner; ``emulate=True`` replays by direct calls (tests, CPU)."""
-        econf = self.econf
+        econf, layout = self.econf, self.layout
         return SecondHalfGraphs(
             self.model,
             self.kv_cache,
             max_num_seqs=econf.max_num_seqs,
             max_blocks_per_req=-(-econf.max_model_len // econf.block_size),
-            num_groups=self.num_groups,
+            num_groups=layout.num_groups,
             hidden_size=self.config.hidden_size,
             dtype=econf.dtype,
             device=self.device,
@@ -93,7 +91,7 @@ class ModelRunner:
             [s.start for s in out.scheduled],
             [s.num_tokens for s in out.scheduled],
             [s.sampled for s in out.scheduled],
-            [[s.block_ids[g] for s in out.scheduled] for g in range(self.num_groups)],
+            [[s.block_ids[g] for s in out.scheduled] for g in range(self.layout.num_groups)],
             self.block_size,
             self.device,
         )

@@ -1,4 +1,5 @@
-"""The engine: scheduler + cache manager + model runner, one `step()` at a time."""
+"""The engine: scheduler + cache manager + model runner, one `step()` at a time. The runner owns the
+weights, the KV cache and the CUDA graphs; the engine wires it to the scheduler and the cache manager."""
 
 from __future__ import annotations
 
@@ -14,10 +15,8 @@ from swiftkv_fast.engine.scheduler import Scheduler, SchedulerOutput
 from swiftkv_fast.engine.stats import SchedulerStats
 from swiftkv_fast.logger import init_logger
 from swiftkv_fast.model.kv_cache_layout import KVCacheLayout
-from swiftkv_fast.model.loader import build_weights
-from swiftkv_fast.sampler import top_logprobs
 from swiftkv_fast.sampling_params import SamplingParams
-from swiftkv_fast.worker.kv_cache import log_kv_cache, num_blocks_for
+from swiftkv_fast.worker.kv_cache import log_kv_cache
 from swiftkv_fast.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = init_logger(__name__)
@@ -37,34 +36,12 @@ class LLMEngine:
                 f"{config.max_position_embeddings}"
             )
         self.econf, self.config, self.tokenizer = econf, config, tokenizer
-        per_request = layout.max_num_held_blocks(econf.max_model_len, econf.max_num_batched_tokens)
-        weights = build_weights(config, state_dict, econf.dtype, econf.device, layout)
-        num_blocks = num_blocks_for(
-            layout,
-            econf.device,
-            econf.num_kv_blocks,
-            econf.kv_cache_memory,
-            max_blocks_useful=1 + econf.max_num_seqs * per_request,
-        )
-        if num_blocks - 1 < per_request:
-            raise ValueError(
-                f"the KV cache ({num_blocks} blocks of {econf.block_size}) cannot hold one request of "
-                f"max_model_len={econf.max_model_len} tokens ({per_request} blocks + the null block): "
-                "give it more memory or lower max_model_len"
-            )
+        self.runner = ModelRunner(config, econf, layout, state_dict)
         self.kv_manager = KVCacheManager(
             groups=layout.specs,
-            num_blocks=num_blocks,
+            num_blocks=self.runner.num_blocks,
             max_model_len=econf.max_model_len,
             enable_caching=econf.enable_prefix_caching,
-        )
-        self.runner = ModelRunner(
-            config,
-            weights,
-            econf,
-            num_blocks,
-            layout,
-            eos_token_ids=config.eos_token_id,
         )
         self.scheduler = Scheduler(
             self.kv_manager,
@@ -88,7 +65,9 @@ class LLMEngine:
             self.runner.backend.name,
             layout.num_groups,
         )
-        log_kv_cache(config, layout, num_blocks, econf.max_model_len, per_request)
+        log_kv_cache(
+            config, layout, self.runner.num_blocks, econf.max_model_len, self.runner.blocks_per_request
+        )
 
     def detokenize(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -144,14 +123,13 @@ class LLMEngine:
     def _process_output(self, out: SchedulerOutput, res: ModelRunnerOutput) -> list[Request]:
         now = time.time()
         by_id = {s.request.request_id: s.request for s in out.scheduled}
-        reqs = [by_id[rid] for rid in res.request_ids]
-        tops = top_logprobs(res.logprobs, res.token_ids, [r.sampling_params.logprobs for r in reqs])
-        for j, (req, tok) in enumerate(zip(reqs, res.token_ids)):
-            req.cumulative_logprob += float(res.logprobs[j, tok])
+        for j, rid in enumerate(res.request_ids):
+            req = by_id[rid]
+            req.cumulative_logprob += res.logprobs[j]
             if req.logprobs is not None:
-                req.logprobs.append(tops[j])
-            if self.econf.return_logits:
-                req.logits.append(res.logits[j].clone())
+                req.logprobs.append(res.top_logprobs[j])
+            if res.logits[j] is not None:
+                req.logits.append(res.logits[j])
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             req.metrics.num_generated_tokens += 1

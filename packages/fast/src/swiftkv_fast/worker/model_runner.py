@@ -1,4 +1,5 @@
-"""Model runner: builds the flat batch of a step, runs the model over the paged cache, samples.
+"""Model runner: owns the model weights, the KV cache (its block count and tensor) and the second
+half's CUDA graphs; builds the flat batch of a step, runs the model over the paged cache, samples.
 
 The first half (layers < L, K/V of every layer written) runs eagerly; the second half goes through
 SecondHalfGraphs (worker/cuda_graph_runner.py): a CUDA graph replay on CUDA with a capturable backend
@@ -17,38 +18,57 @@ from swiftkv_fast.engine.scheduler import SchedulerOutput
 from swiftkv_fast.engine.stop import min_tokens_banned_ids
 from swiftkv_fast.model.kv_cache_layout import KVCacheLayout
 from swiftkv_fast.model.layers import RotaryTable
-from swiftkv_fast.model.swiftkv_model import ModelWeights, SwiftKVModel
-from swiftkv_fast.sampler import sample
+from swiftkv_fast.model.loader import build_weights
+from swiftkv_fast.model.swiftkv_model import SwiftKVModel
+from swiftkv_fast.sampler import sample, top_logprobs
 from swiftkv_fast.worker.cuda_graph_runner import SecondHalfGraphs
 from swiftkv_fast.worker.input_batch import build_model_input
-from swiftkv_fast.worker.kv_cache import allocate_kv_cache
+from swiftkv_fast.worker.kv_cache import allocate_kv_cache, num_blocks_for
 
 
 @dataclass
 class ModelRunnerOutput:
-    request_ids: list[str]  # the sampled requests, in batch order
+    """One row per sampled request, in batch order."""
+
+    request_ids: list[str]
     token_ids: list[int]
-    logprobs: torch.Tensor  # (S, vocab) fp32 CPU
-    logits: torch.Tensor  # (S, vocab) fp32 CPU
+    logprobs: list[float]  # logprob of each sampled token (log_softmax of the raw logits)
+    top_logprobs: list[dict[int, float] | None]  # {token: logprob} where the request asked for logprobs
+    logits: list[torch.Tensor | None]  # (vocab,) fp32 CPU row of each sampled token, with return_logits
 
 
 class ModelRunner:
     def __init__(
-        self,
-        config,
-        weights: ModelWeights,
-        econf: EngineConfig,
-        num_blocks: int,
-        layout: KVCacheLayout,
-        eos_token_ids: list[int] | None = None,
+        self, config, econf: EngineConfig, layout: KVCacheLayout, state_dict: dict[str, torch.Tensor]
     ):
+        """`econf.max_model_len` must be resolved. Raises ValueError when the KV cache cannot hold one
+        request of max_model_len tokens."""
         from swiftkv_reference.rope import rope_inv_freq
 
-        self.config = config
-        self.eos_token_ids = frozenset(eos_token_ids or ())  # masked before min_tokens (unless ignore_eos)
+        self.config, self.econf, self.layout = config, econf, layout
+        self.eos_token_ids = frozenset(
+            config.eos_token_id or ()
+        )  # masked before min_tokens (unless ignore_eos)
         self.device = torch.device(econf.device)
         self.block_size = econf.block_size
-        self.layout = layout
+        # blocks one request of max_model_len tokens holds at most, over every kvcache group
+        self.blocks_per_request = layout.max_num_held_blocks(
+            econf.max_model_len, econf.max_num_batched_tokens
+        )
+        weights = build_weights(config, state_dict, econf.dtype, econf.device, layout)
+        self.num_blocks = num_blocks_for(
+            layout,
+            econf.device,
+            econf.num_kv_blocks,
+            econf.kv_cache_memory,
+            max_blocks_useful=1 + econf.max_num_seqs * self.blocks_per_request,
+        )
+        if self.num_blocks - 1 < self.blocks_per_request:
+            raise ValueError(
+                f"the KV cache ({self.num_blocks} blocks of {econf.block_size}) cannot hold one request of "
+                f"max_model_len={econf.max_model_len} tokens ({self.blocks_per_request} blocks + the null "
+                "block): give it more memory or lower max_model_len"
+            )
         self.backend = get_attention_backend(econf.attention_backend, self.device)
         self.model = SwiftKVModel(
             weights,
@@ -61,8 +81,7 @@ class ModelRunner:
             layout=layout,
             backend=self.backend,
         )
-        self.kv_cache = allocate_kv_cache(layout, num_blocks, self.device)
-        self.econf = econf
+        self.kv_cache = allocate_kv_cache(layout, self.num_blocks, self.device)
         self.graphs = self.make_graphs()
 
     def make_graphs(self, *, emulate: bool = False, sizes: list[int] | None = None) -> SecondHalfGraphs:
@@ -98,11 +117,13 @@ class ModelRunner:
         h = self.model.first_half(inp, self.kv_cache)
         sampled = [s.request for s in out.scheduled if s.sampled]
         if h is None:
-            empty = torch.empty(0, self.config.vocab_size)
-            return ModelRunnerOutput([], [], empty, empty)
+            return ModelRunnerOutput([], [], [], [], [])
         logits = self.graphs.run(h, inp.sampled_positions, inp.sampled_seq_lens, inp.sampled_block_tables)
         logits = logits.cpu()  # on CUDA a copy: a replay's output buffer is reused by the next step
         # the token sampled now is output number r.num_output_tokens (outputs are appended afterwards)
         banned = [min_tokens_banned_ids(r, self.eos_token_ids) for r in sampled]
         result = sample(logits, [r.sampling_params for r in sampled], [r.generator for r in sampled], banned)
-        return ModelRunnerOutput([r.request_id for r in sampled], result.token_ids, result.logprobs, logits)
+        tops = top_logprobs(result.logprobs, result.token_ids, [r.sampling_params.logprobs for r in sampled])
+        chosen = result.logprobs.gather(1, torch.tensor(result.token_ids)[:, None])[:, 0].tolist()
+        rows = [row.clone() for row in logits] if self.econf.return_logits else [None] * len(sampled)
+        return ModelRunnerOutput([r.request_id for r in sampled], result.token_ids, chosen, tops, rows)

@@ -12,6 +12,7 @@ from swiftkv_fast.engine.request import Request
 from swiftkv_fast.model.kv_cache_layout import KVCacheLayout
 from swiftkv_fast.sampler import top_logprobs
 from swiftkv_fast.sampling_params import SamplingParams
+from swiftkv_fast.scheduler_output import ScheduledRequest, SchedulerOutput
 from swiftkv_fast.worker.model_runner import ModelRunner
 
 
@@ -35,8 +36,6 @@ def test_runner_refuses_a_cache_too_small_for_one_request(tiny):
 
 
 def test_step_output_carries_logprobs_top_logprobs_and_logits(tiny):
-    from swiftkv_fast.engine.scheduler import ScheduledRequest, SchedulerOutput
-
     runner = _runner(tiny, num_kv_blocks=64, return_logits=True)
     reqs = [
         Request("a", [5, 6, 7], SamplingParams(temperature=0, logprobs=3), None),

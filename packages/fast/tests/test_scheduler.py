@@ -152,3 +152,20 @@ def test_max_model_len_caps_output():
     r = add(sched, "r", 10, max_tokens=100)
     run_all(sched)
     assert r.finish_reason == "length" and r.num_tokens == 12
+
+
+def test_min_tokens_banned_ids_travel_on_the_scheduled_request():
+    """Before min_tokens outputs a sampled request carries its EOS and stop token ids (the runner masks
+    them); a chunk that samples nothing, ignore_eos and the steps after min_tokens carry none of EOS."""
+    sched = make(budget=16)
+    add(sched, "a", 6, min_tokens=2, ignore_eos=False, stop_token_ids=[7])
+    add(sched, "b", 20, min_tokens=2, ignore_eos=False)
+    add(sched, "c", 3, min_tokens=1, ignore_eos=True, stop_token_ids=[9])
+    banned = []
+    for _ in range(4):
+        out, _ = step(sched, token_fn=lambda req: 60)
+        banned.append({s.request.request_id: s.banned_token_ids for s in out.scheduled})
+    assert banned[0] == {"a": [EOS, 7], "b": []}  # b's first chunk samples nothing
+    assert banned[1] == {"a": [EOS, 7], "b": [EOS], "c": [9]}
+    assert banned[2] == {"a": [], "b": [EOS], "c": []}
+    assert banned[3] == {"a": [], "b": [], "c": []}

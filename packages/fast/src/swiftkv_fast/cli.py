@@ -273,7 +273,7 @@ def _serve(args) -> None:
 
 
 def _convert(args) -> None:
-    from swiftkv_reference.checkpoint import convert_to_swiftkv
+    from swiftkv_fast.model.loader import convert_to_swiftkv
 
     dst = convert_to_swiftkv(
         args.src, args.dst, args.num_key_value_layers, args.key_value_group_size, overwrite=args.overwrite

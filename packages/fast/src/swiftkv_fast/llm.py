@@ -38,7 +38,7 @@ from swiftkv_fast.inputs import (
     validate_request,
 )
 from swiftkv_fast.logger import init_logger
-from swiftkv_fast.model.loader import apply_swiftkv_options, load_checkpoint
+from swiftkv_fast.model.loader import apply_swiftkv_options, chat_token_ids, load_checkpoint, load_tokenizer
 from swiftkv_fast.outputs import CompletionOutput, RequestOutput
 from swiftkv_fast.sampling_params import SamplingParams, describe
 
@@ -106,8 +106,6 @@ class LLM:
         with self._one_call():
             if self.tokenizer is None:
                 raise ValueError("chat needs a tokenizer")
-            from swiftkv_reference.tokenizer import chat_token_ids
-
             prompts = []
             for i, conv in enumerate(parse_conversations(messages)):
                 try:
@@ -208,8 +206,6 @@ def _to_output(req: Request) -> RequestOutput:
 
 
 def _try_load_tokenizer(model_dir):
-    from swiftkv_reference.tokenizer import load_tokenizer
-
     try:
         return load_tokenizer(model_dir)
     except Exception as e:  # a checkpoint without tokenizer files still serves token-id prompts

@@ -28,6 +28,13 @@ class AttentionMetadata:
     backend_cache: dict = field(default_factory=dict)
 
 
+def ranges(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """cat(arange(starts[i], starts[i] + lens[i])) without a Python loop."""
+    offsets = torch.cumsum(lens, 0) - lens
+    idx = torch.arange(int(lens.sum()), device=lens.device)
+    return idx - torch.repeat_interleave(offsets - starts, lens)
+
+
 class AttentionBackend:
     """Query j of request r sits at position `seq_lens[r] - q_len[r] + j`; attention is causal and,
     with a window W, sees positions `> pos - W`. GQA: query head h reads KV head

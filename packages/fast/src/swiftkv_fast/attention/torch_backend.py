@@ -18,8 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from swiftkv_fast.attention.base import AttentionBackend, AttentionMetadata
-from swiftkv_fast.worker.input_batch import ranges as _ranges
+from swiftkv_fast.attention.base import AttentionBackend, AttentionMetadata, ranges
 
 
 def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_kv: int) -> torch.Tensor:
@@ -124,7 +123,7 @@ class TorchBackend(AttentionBackend):
                 q[cu[dec]], k_cache, v_cache, meta.seq_lens[dec], meta.block_tables[dec], window, scale
             )
             pre = (~single).nonzero().squeeze(1)
-            tok = _ranges(cu[pre], q_lens[pre])
+            tok = ranges(cu[pre], q_lens[pre])
             sub = AttentionMetadata(
                 cu_seqlens_q=F.pad(q_lens[pre].cumsum(0), (1, 0)).to(torch.int32),
                 seq_lens=meta.seq_lens[pre],

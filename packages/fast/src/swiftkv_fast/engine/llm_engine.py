@@ -11,11 +11,12 @@ from kvcache import KVCacheManager
 
 from swiftkv_fast.config import EngineConfig
 from swiftkv_fast.engine.request import Request
-from swiftkv_fast.engine.scheduler import Scheduler, SchedulerOutput
+from swiftkv_fast.engine.scheduler import Scheduler
 from swiftkv_fast.engine.stats import SchedulerStats
 from swiftkv_fast.logger import init_logger
 from swiftkv_fast.model.kv_cache_layout import KVCacheLayout
 from swiftkv_fast.sampling_params import SamplingParams
+from swiftkv_fast.scheduler_output import SchedulerOutput
 from swiftkv_fast.worker.kv_cache import log_kv_cache
 from swiftkv_fast.worker.model_runner import ModelRunner, ModelRunnerOutput
 

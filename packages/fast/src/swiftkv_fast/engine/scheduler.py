@@ -12,39 +12,16 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from kvcache import KVCacheManager
 
 from swiftkv_fast.engine.interrupts import deferred_interrupts
 from swiftkv_fast.engine.request import Request, RequestStatus
-from swiftkv_fast.engine.stop import check_stop
+from swiftkv_fast.engine.stop import check_stop, min_tokens_banned_ids
 from swiftkv_fast.logger import init_logger
+from swiftkv_fast.scheduler_output import ScheduledRequest, SchedulerOutput
 
 logger = init_logger(__name__)
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    start: int  # num_computed_tokens before this step (prefix hit included)
-    num_tokens: int  # tokens scheduled this step
-    block_ids: tuple[list[int], ...]  # block table per kvcache group (after allocation)
-    sampled: bool  # this step computes the request's last known token: a new token is sampled
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
@@ -140,8 +117,10 @@ class Scheduler:
         for req, start, n in scheduled:
             req.num_computed_tokens = start + n
             sampled = start + n == req.num_tokens
+            # the token sampled now is output number req.num_output_tokens (appended after the step)
+            banned = min_tokens_banned_ids(req, self.eos_token_ids) if sampled else []
             out.scheduled.append(
-                ScheduledRequest(req, start, n, self.kv.get_block_ids(req.request_id), sampled)
+                ScheduledRequest(req, start, n, self.kv.get_block_ids(req.request_id), sampled, banned)
             )
         return out
 

@@ -94,7 +94,7 @@ class OpenAIServingChat(OpenAIServing):
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise bad_request("chat needs a tokenizer, and this model has none", "messages")
-        from swiftkv_reference.tokenizer import chat_token_ids
+        from swiftkv_fast.model.loader import chat_token_ids
 
         try:
             return chat_token_ids(tokenizer, messages, add_generation_prompt=request.add_generation_prompt)

@@ -1,4 +1,6 @@
-"""Checkpoint -> fused weights. Config and checkpoint I/O are the reference package's."""
+"""Checkpoint -> fused weights. Config and checkpoint I/O, the RoPE frequencies and the tokenizer are the
+reference package's: this module is the only one of swiftkv_fast that imports swiftkv_reference (lazily:
+importing swiftkv_fast stays light)."""
 
 from __future__ import annotations
 
@@ -124,10 +126,45 @@ def build_weights(config, sd: dict[str, torch.Tensor], dtype, device, layout: KV
         )
     embed = t("model.embed_tokens.weight")
     lm_head = t("lm_head.weight") if "lm_head.weight" in sd else embed
-    weights = ModelWeights(embed=embed, norm=t("model.norm.weight"), lm_head=lm_head, layers=layers)
+    weights = ModelWeights(
+        embed=embed,
+        norm=t("model.norm.weight"),
+        lm_head=lm_head,
+        layers=layers,
+        rope_inv_freq=rope_inv_freq(config),
+    )
     if L < n:
         leaders = list(range(L, n, config.key_value_group_size))
         names = [f"model.layers.{g}.self_attn.{kind}_proj_swiftkv." for kind in ("k", "v") for g in leaders]
         weights.norm_swiftkv = t("model.norm_swiftkv.weight")
         weights.kv_swiftkv = Linear(cat([x + "weight" for x in names]), cat_opt([x + "bias" for x in names]))
     return weights
+
+
+def load_tokenizer(model_dir):
+    """The checkpoint's tokenizer (a `transformers` tokenizer with a chat template)."""
+    from swiftkv_reference.tokenizer import load_tokenizer as load
+
+    return load(model_dir)
+
+
+def chat_token_ids(tokenizer, messages, add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of `messages` (a list of {"role", "content"}, or one user text) through the chat
+    template."""
+    from swiftkv_reference.tokenizer import chat_token_ids as apply_template
+
+    return apply_template(tokenizer, messages, add_generation_prompt=add_generation_prompt)
+
+
+def convert_to_swiftkv(src, dst, num_key_value_layers: int, key_value_group_size: int, overwrite: bool):
+    """A plain checkpoint directory written as a SwiftKV one (swiftkv convert); -> the output path."""
+    from swiftkv_reference.checkpoint import convert_to_swiftkv as convert
+
+    return convert(src, dst, num_key_value_layers, key_value_group_size, overwrite=overwrite)
+
+
+def rope_inv_freq(config) -> torch.Tensor:
+    """(head_dim // 2,) fp32 RoPE frequencies, llama3 scaling applied (the reference's one definition)."""
+    from swiftkv_reference.rope import rope_inv_freq as inv_freq
+
+    return inv_freq(config)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from swiftkv_fast.attention.base import AttentionBackend
 from swiftkv_fast.model.kv_cache_layout import KVCacheLayout
 from swiftkv_fast.model.layers import Linear, RotaryTable, apply_rope, rms_norm, silu_and_mul
-from swiftkv_fast.worker.input_batch import ModelInput
+from swiftkv_fast.model.model_input import ModelInput
 
 
 @dataclass
@@ -45,6 +45,7 @@ class ModelWeights:
     norm: torch.Tensor  # (hidden,)
     lm_head: torch.Tensor  # (vocab, hidden)
     layers: list[LayerWeights]
+    rope_inv_freq: torch.Tensor  # (head_dim // 2,) fp32: the RoPE frequencies (llama3 scaling applied)
     norm_swiftkv: torch.Tensor | None = None  # (hidden,)
     kv_swiftkv: Linear | None = None  # hidden -> 2 * n_leaders * kv_heads * head_dim: [K of all; V of all]
 

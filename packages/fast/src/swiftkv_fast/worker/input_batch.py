@@ -1,44 +1,13 @@
-"""One flat batch per step: positions, slot mappings, block tables and query offsets as tensors."""
+"""One flat batch per step (model/model_input.py): positions, slot mappings, block tables and query
+offsets as tensors."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from swiftkv_fast.attention.base import AttentionMetadata
-
-
-@dataclass
-class GroupBatch:
-    """The scheduled batch seen by the layers of one kvcache group (one attention type)."""
-
-    meta: AttentionMetadata  # all scheduled requests
-    slot_mapping: torch.Tensor  # (T,) int64
-    sampled_block_tables: torch.Tensor  # (S, max_blocks) int32: rows of the sampled requests
-
-
-@dataclass
-class ModelInput:
-    input_ids: torch.Tensor  # (T,) int64
-    positions: torch.Tensor  # (T,) int64
-    groups: list[GroupBatch]  # one per kvcache group
-    logits_indices: torch.Tensor  # (S,) int64: the token of each sampled request in the flat batch
-    sampled_seq_lens: torch.Tensor  # (S,) int32: context of each sampled request after this step
-    sampled_positions: torch.Tensor  # (S,) int64: position of each sampled token (sampled_seq_lens - 1)
-
-    @property
-    def sampled_block_tables(self) -> tuple[torch.Tensor, ...]:
-        """One (S, max_blocks) int32 table per kvcache group: the second half's block tables."""
-        return tuple(g.sampled_block_tables for g in self.groups)
-
-
-def ranges(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """cat(arange(starts[i], starts[i] + lens[i])) without a Python loop."""
-    offsets = torch.cumsum(lens, 0) - lens
-    idx = torch.arange(int(lens.sum()), device=lens.device)
-    return idx - torch.repeat_interleave(offsets - starts, lens)
+from swiftkv_fast.attention.base import AttentionMetadata, ranges
+from swiftkv_fast.model.model_input import GroupBatch, ModelInput
 
 
 def pad_block_tables(tables: list[list[int]]) -> torch.Tensor:

@@ -3,8 +3,8 @@ half's CUDA graphs; builds the flat batch of a step, runs the model over the pag
 
 The first half (layers < L, K/V of every layer written) runs eagerly; the second half goes through
 SecondHalfGraphs (worker/cuda_graph_runner.py): a CUDA graph replay on CUDA with a capturable backend
-unless enforce_eager, else eager. Sampling masks each request's EOS (`eos_token_ids`, unless
-ignore_eos) and stop token ids while it has fewer than min_tokens outputs (engine/stop.py)."""
+unless enforce_eager, else eager. Sampling masks the token ids the scheduler banned for each sampled
+request (`ScheduledRequest.banned_token_ids`: EOS and stop token ids before min_tokens outputs)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,12 @@ import torch
 
 from swiftkv_fast.attention import get_attention_backend
 from swiftkv_fast.config import EngineConfig
-from swiftkv_fast.engine.scheduler import SchedulerOutput
-from swiftkv_fast.engine.stop import min_tokens_banned_ids
 from swiftkv_fast.model.kv_cache_layout import KVCacheLayout
 from swiftkv_fast.model.layers import RotaryTable
 from swiftkv_fast.model.loader import build_weights
 from swiftkv_fast.model.swiftkv_model import SwiftKVModel
 from swiftkv_fast.sampler import sample, top_logprobs
+from swiftkv_fast.scheduler_output import SchedulerOutput
 from swiftkv_fast.worker.cuda_graph_runner import SecondHalfGraphs
 from swiftkv_fast.worker.input_batch import build_model_input
 from swiftkv_fast.worker.kv_cache import allocate_kv_cache, num_blocks_for
@@ -43,12 +42,7 @@ class ModelRunner:
     ):
         """`econf.max_model_len` must be resolved. Raises ValueError when the KV cache cannot hold one
         request of max_model_len tokens."""
-        from swiftkv_reference.rope import rope_inv_freq
-
         self.config, self.econf, self.layout = config, econf, layout
-        self.eos_token_ids = frozenset(
-            config.eos_token_id or ()
-        )  # masked before min_tokens (unless ignore_eos)
         self.device = torch.device(econf.device)
         self.block_size = econf.block_size
         # blocks one request of max_model_len tokens holds at most, over every kvcache group
@@ -77,7 +71,7 @@ class ModelRunner:
             num_kv_heads=config.num_key_value_heads,
             head_dim=config.head_dim,
             eps=config.rms_norm_eps,
-            rotary=RotaryTable(rope_inv_freq(config), econf.max_model_len, self.device),
+            rotary=RotaryTable(weights.rope_inv_freq, econf.max_model_len, self.device),
             layout=layout,
             backend=self.backend,
         )
@@ -116,12 +110,11 @@ class ModelRunner:
         )
         h = self.model.first_half(inp, self.kv_cache)
         sampled = [s.request for s in out.scheduled if s.sampled]
+        banned = [s.banned_token_ids for s in out.scheduled if s.sampled]
         if h is None:
             return ModelRunnerOutput([], [], [], [], [])
         logits = self.graphs.run(h, inp.sampled_positions, inp.sampled_seq_lens, inp.sampled_block_tables)
         logits = logits.cpu()  # on CUDA a copy: a replay's output buffer is reused by the next step
-        # the token sampled now is output number r.num_output_tokens (outputs are appended afterwards)
-        banned = [min_tokens_banned_ids(r, self.eos_token_ids) for r in sampled]
         result = sample(logits, [r.sampling_params for r in sampled], [r.generator for r in sampled], banned)
         tops = top_logprobs(result.logprobs, result.token_ids, [r.sampling_params.logprobs for r in sampled])
         chosen = result.logprobs.gather(1, torch.tensor(result.token_ids)[:, None])[:, 0].tolist()

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from swiftkv_fast.cuda_graph import SecondHalfGraphRunner, bucket_for, capture_sizes
+from swiftkv_fast.worker.cuda_graph import SecondHalfGraphs, bucket_for, capture_sizes
 
 
 def test_capture_sizes():
@@ -81,7 +81,7 @@ def _runner(fn, **kw):
         pad_position=7,
     )
     args.update(kw)
-    return SecondHalfGraphRunner(fn, **args)
+    return SecondHalfGraphs(fn, **args)
 
 
 def test_emulated_padding_and_unpadding():
@@ -104,7 +104,7 @@ def test_emulated_padding_and_unpadding():
         assert (seq[n:] == 0).all() and (pos[n:] == 7).all()
         for bt in bts:
             assert bt.shape == (bs, 4) and (bt[n:] == 0).all() and (bt[:n, width:] == 0).all()
-    assert r.stats["graph"] == 5 and r.stats["eager"] == 0
+    assert r.counts["graph"] == 5 and r.counts["eager"] == 0
 
 
 def test_every_bucket_returns_rows_of_one_logits_buffer():
@@ -124,10 +124,8 @@ def test_every_bucket_returns_rows_of_one_logits_buffer():
 def test_fallbacks_to_eager():
     fn = FakeSecondHalf()
     r = _runner(fn)
-    x = _inputs(3, 2)
-    r.run(*x)  # not captured yet
-    assert r.stats == {"graph": 0, "eager": 1} and fn.calls[-1][0] == 3
-    r.capture()
+    r.run(*_inputs(3, 2))  # the first run captures, then replays
+    assert r.captured and r.counts == {"graph": 1, "eager": 0} and fn.calls[-1][0] == 4
     out = r.run(*_inputs(17, 2))  # larger than the largest bucket
     assert out.shape == (17, V) and fn.calls[-1][0] == 17
     out = r.run(*_inputs(3, 5))  # block table wider than captured
@@ -135,14 +133,14 @@ def test_fallbacks_to_eager():
     h, pos, seq, (full, sliding) = _inputs(3, 2)
     out = r.run(h, pos, seq, (full, torch.zeros(3, 5, dtype=torch.int32)))  # one group's table too wide
     assert out.shape == (3, V) and fn.calls[-1][0] == 3
-    assert r.stats == {"graph": 0, "eager": 4}
+    assert r.counts == {"graph": 1, "eager": 3}
     r.run(*_inputs(16, 4))
-    assert r.stats["graph"] == 1
+    assert r.counts["graph"] == 2
     with pytest.raises(ValueError, match="block tables"):
         r.run(h, pos, seq, (full,))
 
 
-@pytest.mark.parametrize("kw", [dict(enabled=False), dict(emulate=False)])  # enforce_eager; CPU w/o emulate
+@pytest.mark.parametrize("kw", [dict(enforce_eager=True), dict(emulate=False)])  # CPU w/o emulate
 def test_disabled_is_always_eager(kw):
     fn = FakeSecondHalf()
     r = _runner(fn, **kw)
@@ -150,7 +148,7 @@ def test_disabled_is_always_eager(kw):
     assert not r.captured and fn.calls == []
     x = _inputs(3, 2)
     torch.testing.assert_close(r.run(*x), FakeSecondHalf()(*x))
-    assert r.stats == {"graph": 0, "eager": 1} and fn.calls[-1][0] == 3
+    assert r.counts == {"graph": 0, "eager": 1} and fn.calls[-1][0] == 3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -166,7 +164,7 @@ def test_cuda_capture_and_replay():
         h = h + emb[block_tables[0].long()].sum(1) - emb[block_tables[1].long()].sum(1)
         return h @ w2
 
-    r = SecondHalfGraphRunner(
+    r = SecondHalfGraphs(
         second_half,
         max_num_seqs=10,
         max_blocks_per_req=3,
@@ -182,4 +180,4 @@ def test_cuda_capture_and_replay():
         x = [h.to(dev), (pos % 64).to(dev), seq.to(dev), tuple((bt % 64).to(dev) for bt in bts)]
         out = r.run(*x).clone()
         torch.testing.assert_close(out, second_half(*x))
-    assert r.stats == {"graph": 4, "eager": 2}
+    assert r.counts == {"graph": 4, "eager": 2}

@@ -9,7 +9,7 @@ import torch
 from conftest import TINY_MODELS, random_prompts
 from swiftkv_fast import LLM, SamplingParams
 from swiftkv_fast.attention import TorchBackend
-from swiftkv_fast.worker.cuda_graph_runner import graphs_disabled_reason
+from swiftkv_fast.worker.cuda_graph import graphs_disabled_reason
 from swiftkv_reference.testing import fp32_atol
 
 # two kvcache groups (full + sliding window), AcrossKV, L < N
@@ -111,6 +111,9 @@ def test_when_graphs_are_used():
     assert "enforce_eager" in graphs_disabled_reason(cuda, True, _Capturable())
     assert "CUDA" in graphs_disabled_reason(cpu, False, _Capturable())
     assert "'torch'" in graphs_disabled_reason(cuda, False, TorchBackend())
+    # emulated replays need neither CUDA nor a capturable backend; enforce_eager still wins
+    assert graphs_disabled_reason(cpu, False, TorchBackend(), emulate=True) is None
+    assert graphs_disabled_reason(cpu, True, TorchBackend(), emulate=True) == "enforce_eager=True"
 
 
 @pytest.mark.parametrize(
@@ -158,7 +161,7 @@ def test_capture_failure_falls_back_to_eager(tiny):
     def broken():
         raise RuntimeError("capture broke")
 
-    runner.graphs.runner.capture = broken
+    runner.graphs._capture_graphs = broken
     out = _generate(llm, [[5, 6, 7]])
     assert len(out[0].outputs[0].token_ids) == GREEDY.max_tokens
     stats = llm.get_stats()

@@ -6,7 +6,7 @@
     final norm + lm_head on the sampled tokens only
 `first_half` runs everything up to the early exit (K/V of all layers written); `second_half` is a
 function of static-shaped inputs only (hidden, positions, seq_lens, one block table per kvcache
-group), which is what a CUDA graph captures (worker/cuda_graph_runner.py). L == N is the plain model
+group), which is what a CUDA graph captures (worker/cuda_graph.py). L == N is the plain model
 (the second half is then the final norm and lm_head). Weights are fused at load (model/loader.py):
 qkv, gate_up, and the k/v_proj_swiftkv of all group leaders in one matrix. Cache layer c lives in
 physical KV slot `self.kv_slot[c]` of the engine's tensor (model/kv_cache_layout.py: the i-th cache

@@ -2,7 +2,7 @@
 half's CUDA graphs; builds the flat batch of a step, runs the model over the paged cache, samples.
 
 The first half (layers < L, K/V of every layer written) runs eagerly; the second half goes through
-SecondHalfGraphs (worker/cuda_graph_runner.py): a CUDA graph replay on CUDA with a capturable backend
+SecondHalfGraphs (worker/cuda_graph.py): a CUDA graph replay on CUDA with a capturable backend
 unless enforce_eager, else eager. Sampling masks the token ids the scheduler banned for each sampled
 request (`ScheduledRequest.banned_token_ids`: EOS and stop token ids before min_tokens outputs)."""
 
@@ -20,7 +20,7 @@ from swiftkv_fast.model.loader import build_weights
 from swiftkv_fast.model.swiftkv_model import SwiftKVModel
 from swiftkv_fast.sampler import sample, top_logprobs
 from swiftkv_fast.scheduler_output import SchedulerOutput
-from swiftkv_fast.worker.cuda_graph_runner import SecondHalfGraphs
+from swiftkv_fast.worker.cuda_graph import SecondHalfGraphs
 from swiftkv_fast.worker.input_batch import build_model_input
 from swiftkv_fast.worker.kv_cache import allocate_kv_cache, num_blocks_for
 
@@ -80,17 +80,21 @@ class ModelRunner:
 
     def make_graphs(self, *, emulate: bool = False, sizes: list[int] | None = None) -> SecondHalfGraphs:
         """The second half's graph runner; ``emulate=True`` replays by direct calls (tests, CPU)."""
-        econf, layout = self.econf, self.layout
+        econf, model, kv_cache = self.econf, self.model, self.kv_cache
+
+        def second_half(hidden, positions, seq_lens, block_tables):
+            return model.second_half(hidden, positions, seq_lens, block_tables, kv_cache)
+
         return SecondHalfGraphs(
-            self.model,
-            self.kv_cache,
+            second_half,
             max_num_seqs=econf.max_num_seqs,
             max_blocks_per_req=-(-econf.max_model_len // econf.block_size),
-            num_groups=layout.num_groups,
+            num_groups=self.layout.num_groups,
             hidden_size=self.config.hidden_size,
             dtype=econf.dtype,
             device=self.device,
             enforce_eager=econf.enforce_eager,
+            backend=self.backend,
             emulate=emulate,
             sizes=sizes,
         )

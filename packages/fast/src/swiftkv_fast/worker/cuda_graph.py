@@ -1,13 +1,20 @@
-"""CUDA graphs for SwiftKV's second half (layers >= L, the final norm and lm_head).
+"""CUDA graphs for SwiftKV's second half (layers >= L, the final norm and lm_head): lazy capture per
+batch-size bucket, replay, eager fallback, counters.
 
-In the second half every request has exactly one query token, so a step is a
-decode-shaped batch whatever mix of prefill and decode it came from. Its
-shapes depend only on the batch size and the block-table width, so one graph
-per batch-size bucket serves every step.
+In the second half every request has exactly one query token, so a step is a decode-shaped batch
+whatever mix of prefill and decode it came from. Its shapes depend only on the batch size and the
+block-table width, so one graph per batch-size bucket serves every step. Graphs are used for every
+step with sampled tokens, also when L == N (the tail is then the final norm and lm_head), unless
+`graphs_disabled_reason` (the one decision, made at construction) says why not:
+  - ``enforce_eager`` is True,
+  - the device is not CUDA (on CPU the second half is always eager),
+  - the attention backend cannot be captured (``backend.supports_cuda_graph``: triton, flash_attn;
+    not torch, whose decode syncs with the host).
+The K/V of the second-half layers is written eagerly for every scheduled token before (first_half).
+Capture happens at the first ``run`` (the first step with sampled tokens) and is logged with its
+duration; a capture that fails is logged and the second half runs eagerly from then on.
 
-Contract for the model runner
------------------------------
-``second_half(hidden, positions, seq_lens, block_tables) -> logits``
+Contract of ``second_half(hidden, positions, seq_lens, block_tables) -> logits``
     hidden: (B, hidden_size) in ``dtype`` (the residual stream after layer L-1;
     the model adds residuals in place, so there is no separate residual);
     positions: (B,) int64; seq_lens: (B,) int32 (context length, query at
@@ -15,28 +22,22 @@ Contract for the model runner
     table per kvcache group (full attention, sliding window, ...). Returns
     (B, vocab) logits. It must be capturable: no host syncs (``.item()``,
     ``.tolist()``, data-dependent shapes), no allocation that outlives the call
-    except its output, and K/V must already be written to the cache (write_kv
-    runs before, eagerly, for every scheduled token). It must tolerate padding
-    rows: ``seq_lens == 0``, block tables all 0 (the null block), position
-    ``pad_position``, hidden zeros; their outputs are dropped (the Triton
-    decode kernel returns zeros for them). Rows must not interact (row-wise
-    ops only), so padding never changes a real row.
+    except its output, and K/V must already be written to the cache. It must
+    tolerate padding rows: ``seq_lens == 0``, block tables all 0 (the null
+    block), position ``pad_position``, hidden zeros; their outputs are dropped
+    (the Triton decode kernel returns zeros for them). Rows must not interact
+    (row-wise ops only), so padding never changes a real row.
 
-``SecondHalfGraphRunner.run(...)`` takes the same arguments for ``n`` real
-rows (block tables at most ``max_blocks`` wide) and returns ``(n, vocab)``
-logits. On a graph replay these are a view into ONE fp32 ``(max_batch, vocab)``
-buffer that every bucket's graph copies its logits into (as the last op of the
-capture), valid until the next ``run``: sample from them (or clone) before the
-next step. The graphs' own outputs are not kept, so their pool memory is shared
-by every capture: one logits buffer in all, not one per bucket (at 256 sequences
-and a 128k vocabulary, 0.13 GB instead of 1.2 GB).
-A step falls back to eager ``second_half`` on the given tensors when the runner
-is disabled (``enforce_eager``, CPU), not captured yet, ``n`` exceeds the
-largest bucket, or a block table is wider than captured.
+``run(...)`` takes the same arguments for ``n`` real rows and returns ``(n, vocab)`` logits. On a
+graph replay these are a view into ONE fp32 ``(max_batch, vocab)`` buffer that every bucket's graph
+copies its logits into (as the last op of the capture), valid until the next ``run``: sample from
+them (or clone) before the next step. The graphs' own outputs are not kept, so their pool memory is
+shared by every capture: one logits buffer in all, not one per bucket (at 256 sequences and a 128k
+vocabulary, 0.13 GB instead of 1.2 GB). A step runs eagerly on the given tensors when graphs are
+disabled, ``n`` exceeds the largest bucket, or a block table is wider than captured (`_bucket`).
 
-``emulate=True`` replaces capture and replay by direct calls of
-``second_half`` on the padded static buffers (any device): the bucketing,
-padding and unpadding are then exercised without CUDA (tests).
+``emulate=True`` replaces capture and replay by direct calls of ``second_half`` on the padded static
+buffers (any device): the bucketing, padding and unpadding are then exercised without CUDA (tests).
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+
+from swiftkv_fast.logger import init_logger
+
+logger = init_logger(__name__)
 
 SecondHalfFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]], torch.Tensor]
 
@@ -72,7 +77,23 @@ def bucket_for(n: int, sizes: Sequence[int]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
-class SecondHalfGraphRunner:
+def graphs_disabled_reason(
+    device: torch.device, enforce_eager: bool, backend, emulate: bool = False
+) -> str | None:
+    """Why the second half runs eagerly, or None when CUDA graphs are used. ``backend`` None: the
+    caller's ``second_half`` is capturable. ``emulate`` needs no CUDA and no capturable backend."""
+    if enforce_eager:
+        return "enforce_eager=True"
+    if emulate:
+        return None
+    if device.type != "cuda":
+        return f"device {device.type} (CUDA graphs need CUDA)"
+    if backend is not None and not backend.supports_cuda_graph:
+        return f"attention backend {backend.name!r} cannot be captured (use 'triton' or 'flash_attn')"
+    return None
+
+
+class SecondHalfGraphs:
     """One CUDA graph of ``second_half`` per batch-size bucket, sharing a memory pool.
 
     Args:
@@ -81,9 +102,7 @@ class SecondHalfGraphRunner:
         max_blocks_per_req: width of the static block tables (``cdiv(max_model_len, block_size)``).
         num_groups: block tables per step (kvcache groups).
         hidden_size, dtype, device: of the hidden buffer.
-        enabled: False (``enforce_eager=True``) makes every ``run`` eager. A non-CUDA device without
-            ``emulate`` is also always eager.
-        emulate: capture = nothing, replay = a direct call on the padded static buffers.
+        enforce_eager, backend, emulate: see :func:`graphs_disabled_reason`.
         num_warmup: eager calls per bucket before its capture (lazy inits, Triton compilation).
         pad_position: position written into padding rows.
     """
@@ -98,9 +117,10 @@ class SecondHalfGraphRunner:
         hidden_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
-        sizes: Sequence[int] | None = None,
-        enabled: bool = True,
+        enforce_eager: bool = False,
+        backend=None,
         emulate: bool = False,
+        sizes: Sequence[int] | None = None,
         num_warmup: int = 2,
         pad_position: int = 0,
     ):
@@ -109,34 +129,63 @@ class SecondHalfGraphRunner:
         self.sizes = sorted(set(sizes)) if sizes is not None else capture_sizes(max_num_seqs)
         if not self.sizes or self.sizes[0] < 1:
             raise ValueError(f"bad capture sizes {self.sizes}")
-        self.emulate = emulate
-        self.enabled = bool(enabled) and (emulate or self.device.type == "cuda")
-        self.max_batch = self.sizes[-1]
-        self.max_blocks = int(max_blocks_per_req)
         self.num_groups = int(num_groups)
         if self.num_groups < 1:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+        self.emulate = emulate
+        self.max_batch = self.sizes[-1]
+        self.max_blocks = int(max_blocks_per_req)
         self.hidden_size = int(hidden_size)
         self.num_warmup = int(num_warmup)
         self.pad_position = int(pad_position)
-        self.stats = {"graph": 0, "eager": 0}
+        self.counts = {"graph": 0, "eager": 0}  # second-half steps replayed / run eagerly
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: torch.Tensor | None = None  # (max_batch, vocab) fp32, made at capture
-        self._captured = False
-        self._pool = None
+        self.captured = False
         self.capture_seconds: float | None = None
-        if self.enabled:
-            b, dev = self.max_batch, self.device
-            self.hidden = torch.zeros(b, self.hidden_size, dtype=dtype, device=dev)
-            self.positions = torch.full((b,), self.pad_position, dtype=torch.int64, device=dev)
-            self.seq_lens = torch.zeros(b, dtype=torch.int32, device=dev)
-            self.block_tables = tuple(
-                torch.zeros(b, self.max_blocks, dtype=torch.int32, device=dev) for _ in range(self.num_groups)
-            )
+        self.disabled_reason = graphs_disabled_reason(self.device, enforce_eager, backend, emulate)
+        if self.disabled_reason is not None:
+            logger.info("second half: eager (%s)", self.disabled_reason)
+            return
+        b, dev = self.max_batch, self.device
+        self.hidden = torch.zeros(b, self.hidden_size, dtype=dtype, device=dev)
+        self.positions = torch.full((b,), self.pad_position, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.zeros(b, dtype=torch.int32, device=dev)
+        self.block_tables = tuple(
+            torch.zeros(b, self.max_blocks, dtype=torch.int32, device=dev) for _ in range(self.num_groups)
+        )
 
     @property
-    def captured(self) -> bool:
-        return self._captured
+    def enabled(self) -> bool:
+        return self.disabled_reason is None
+
+    def stats(self) -> dict[str, int | float | bool | None]:
+        return {
+            "cuda_graph_enabled": self.enabled,
+            "cuda_graph_replays": self.counts["graph"],
+            "eager_second_half_steps": self.counts["eager"],
+            "cuda_graph_capture_s": self.capture_seconds,
+        }
+
+    def capture(self) -> None:
+        """Capture every bucket once (a no-op when disabled or done); a failure disables the graphs."""
+        if not self.enabled or self.captured:
+            return
+        logger.info(
+            "second half: capturing CUDA graphs for batch sizes %s (block tables of %d blocks, "
+            "%d group(s))%s",
+            self.sizes,
+            self.max_blocks,
+            self.num_groups,
+            " [emulated]" if self.emulate else "",
+        )
+        try:
+            self._capture_graphs()
+        except Exception as e:  # keep serving, eagerly; get_stats() shows cuda_graph_enabled=False
+            self.disabled_reason = f"capture failed: {type(e).__name__}: {e}"
+            logger.exception("second half: CUDA graph capture failed, running eagerly from now on")
+            return
+        logger.info("second half: %d CUDA graphs captured in %.2f s", len(self.sizes), self.capture_seconds)
 
     def _static_args(self, bs: int) -> tuple[torch.Tensor, ...]:
         return (
@@ -147,19 +196,17 @@ class SecondHalfGraphRunner:
         )
 
     @torch.no_grad()
-    def capture(self) -> None:
+    def _capture_graphs(self) -> None:
         """Warm up and capture every bucket, largest first, into one shared memory pool."""
-        if not self.enabled or self._captured:
-            return
         start = time.perf_counter()
         if self.emulate:
             for bs in reversed(self.sizes):
                 for _ in range(max(1, self.num_warmup)):
                     self._logits_buffer(self.second_half(*self._static_args(bs)))
-            self._captured = True
+            self.captured = True
             self.capture_seconds = time.perf_counter() - start
             return
-        self._pool = torch.cuda.graph_pool_handle()
+        pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=self.device)
         for bs in reversed(self.sizes):
             args = self._static_args(bs)
@@ -170,11 +217,11 @@ class SecondHalfGraphRunner:
             torch.cuda.current_stream(self.device).wait_stream(stream)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=pool):
                 logits[:bs].copy_(self.second_half(*args))
             self._graphs[bs] = graph
         torch.cuda.synchronize(self.device)
-        self._captured = True
+        self.captured = True
         self.capture_seconds = time.perf_counter() - start
 
     def _logits_buffer(self, out: torch.Tensor) -> torch.Tensor:
@@ -183,24 +230,25 @@ class SecondHalfGraphRunner:
             self.logits = torch.zeros(self.max_batch, out.shape[-1], dtype=torch.float32, device=out.device)
         return self.logits
 
-    def bucket(self, n: int, block_table_width: int) -> int | None:
-        """The bucket a step of n rows replays, or None for eager."""
-        if not (self.enabled and self._captured) or block_table_width > self.max_blocks:
+    def _bucket(self, n: int, block_table_width: int) -> int | None:
+        """The bucket a step of n rows replays, or None for eager: the one per-step decision."""
+        if n < 1 or not (self.enabled and self.captured) or block_table_width > self.max_blocks:
             return None
         return bucket_for(n, self.sizes)
 
     @torch.no_grad()
     def run(self, hidden, positions, seq_lens, block_tables: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Logits (n, vocab); a view into the shared logits buffer on a replay, valid until the next run."""
+        self.capture()
         n = hidden.shape[0]
         block_tables = tuple(block_tables)
         if self.enabled and hidden.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden size {hidden.shape[-1]} != captured {self.hidden_size}")
         if self.enabled and len(block_tables) != self.num_groups:
             raise ValueError(f"{len(block_tables)} block tables, captured with {self.num_groups}")
-        width = max(bt.shape[1] for bt in block_tables)
-        bs = self.bucket(n, width) if n > 0 else None
+        bs = self._bucket(n, max(bt.shape[1] for bt in block_tables))
         if bs is None:
-            self.stats["eager"] += 1
+            self.counts["eager"] += 1
             return self.second_half(hidden, positions, seq_lens, block_tables)
         self.hidden[:n].copy_(hidden)
         self.positions[:n].copy_(positions)
@@ -216,7 +264,7 @@ class SecondHalfGraphRunner:
             self.seq_lens[n:bs].zero_()
             for static in self.block_tables:
                 static[n:bs].zero_()
-        self.stats["graph"] += 1
+        self.counts["graph"] += 1
         if self.emulate:
             self.logits[:bs].copy_(self.second_half(*self._static_args(bs)))
         else:

@@ -60,12 +60,12 @@ def test_wrong_checkpoint_shape_names_tensor(tiny):
 
 
 def test_backend_registry():
-    assert isinstance(get_attention_backend("auto", "cpu"), TorchBackend)
-    assert get_attention_backend("torch", "cpu").name == "torch"
+    assert isinstance(get_attention_backend("auto", "cpu", 16), TorchBackend)
+    assert get_attention_backend("torch", "cpu", 16).name == "torch"
     with pytest.raises(RuntimeError, match="CUDA"):
-        get_attention_backend("flash_attn", "cpu")
+        get_attention_backend("flash_attn", "cpu", 256)
     with pytest.raises(ValueError):
-        get_attention_backend("xformers", "cpu")
+        get_attention_backend("xformers", "cpu", 16)
 
 
 def test_cli_convert_and_load_directory(tiny, tmp_path):

@@ -31,6 +31,22 @@ def ckpt(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.parametrize("command", [["generate"], ["serve"]])
+def test_engine_flag_defaults_are_engine_config_defaults(command, monkeypatch):
+    import dataclasses
+
+    from swiftkv_fast.cli import _engine_kwargs, build_parser
+    from swiftkv_fast.config import EngineConfig
+
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    kwargs = _engine_kwargs(build_parser().parse_args(command))
+    assert kwargs == {name: fields[name].default for name in kwargs}
+    monkeypatch.setattr(fields["block_size"], "default", 32)  # one definition: the CLI follows it
+    monkeypatch.setattr(fields["max_num_seqs"], "default", 8)
+    kwargs = _engine_kwargs(build_parser().parse_args(command))
+    assert kwargs["block_size"] == 32 and kwargs["max_num_seqs"] == 8
+
+
 def _broken_dirs(root: Path, ckpt: Path) -> dict[str, Path]:
     pickle_only = root / "pickle_only"
     pickle_only.mkdir()

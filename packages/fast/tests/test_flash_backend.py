@@ -13,20 +13,21 @@ from swiftkv_fast.attention.flash_backend import FlashAttnBackend, torch_write_k
 @pytest.mark.parametrize("bs", [256, 512, 1024])
 def test_block_size_multiple_of_256_ok(bs):
     assert validate_block_size(bs) == bs
-    assert FlashAttnBackend.validate_block_size(bs) == bs
 
 
 @pytest.mark.parametrize("bs", [1, 16, 128, 255, 300, 0, -256])
 def test_block_size_rule_rejects(bs):
     with pytest.raises(ValueError, match="multiple of 256"):
-        FlashAttnBackend.validate_block_size(bs)
+        validate_block_size(bs)
+    with pytest.raises(ValueError, match="multiple of 256"):  # before flash_attn is even imported
+        FlashAttnBackend(bs)
 
 
 def test_missing_flash_attn_is_a_clear_import_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # import flash_attn -> ImportError
     with pytest.raises(ImportError, match="needs the `flash-attn` package"):
-        FlashAttnBackend()
-    assert not FlashAttnBackend.is_available()
+        FlashAttnBackend(256)
+    assert not fb.flash_attn_available()
 
 
 def _fake_flash(calls):
@@ -49,14 +50,14 @@ def test_missing_cuda_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", _fake_flash([]))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
-        FlashAttnBackend()
+        FlashAttnBackend(256)
 
 
 def test_adapter_argument_mapping(monkeypatch):
     calls = []
     monkeypatch.setitem(sys.modules, "flash_attn", _fake_flash(calls))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    be = FlashAttnBackend()
+    be = FlashAttnBackend(256)
     assert be.name == "flash_attn"
     kc = torch.zeros(3, 256, 2, 32)
     meta = types.SimpleNamespace(
@@ -82,9 +83,6 @@ def test_adapter_argument_mapping(monkeypatch):
     assert name == "kvcache" and kw["q_shape"] == (2, 1, 6, 32)
     assert kw["cache_seqlens"] is meta.seq_lens and kw["block_table"] is meta.block_tables
     assert kw["window_size"] == (63, 0) and kw["causal"]
-
-    with pytest.raises(ValueError, match="multiple of 256"):
-        be.decode(q[:2], kc[:, :16], kc[:, :16], meta.seq_lens, meta.block_tables, None, 0.5)
 
 
 def test_torch_write_kv_skips_padding():
@@ -129,7 +127,7 @@ def test_real_flash_attn_kernels(window):
     meta = types.SimpleNamespace(
         cu_seqlens_q=cu, seq_lens=seq_lens, block_tables=tables, max_query_len=40, max_seq_len=700
     )
-    be = FlashAttnBackend()
+    be = FlashAttnBackend(256)
     out = be.prefill(q, kc, vc, meta, window, 0.125)
     torch.testing.assert_close(
         out.double(), _dense_ref(q, kc, vc, cu, seq_lens, tables, window, 0.125), atol=2e-2, rtol=0
@@ -144,5 +142,5 @@ def test_adapter_write_kv_on_cpu_uses_torch(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     kv = torch.zeros(1, 2, 2, 256, 1, 8)
     k = torch.ones(2, 1, 1, 8)
-    FlashAttnBackend().write_kv(kv, k, 2 * k, torch.tensor([-1, 300]))
+    FlashAttnBackend(256).write_kv(kv, k, 2 * k, torch.tensor([-1, 300]))
     assert (kv[0, 0, 1, 44] == 1).all() and (kv[0, 1, 1, 44] == 2).all() and kv.sum() == 3 * 8

@@ -54,7 +54,7 @@ def test_budget_and_chunked_prefill():
         ("b", 0, 6),
     ]
     assert [s.sampled for s in out.scheduled] == [True, False]
-    assert out.num_scheduled_tokens == 16 and c.status == RequestStatus.WAITING
+    assert sum(s.num_tokens for s in out.scheduled) == 16 and c.status == RequestStatus.WAITING
     assert a.num_output_tokens == 1 and b.num_output_tokens == 0
 
 

@@ -1,9 +1,18 @@
-"""A new attention type plugs in with one spec and one manager class, touching nothing else."""
+"""A new attention type plugs in with one spec, one manager class and one `spec_manager_map` entry,
+touching nothing else."""
 
 from dataclasses import dataclass
 
-from kvcache import FullAttentionSpec, KVCacheManager, KVCacheSpec, Request, SingleTypeKVCacheManager
-from kvcache.single_type_manager import FullAttentionManager, register_manager
+import pytest
+from kvcache import (
+    FullAttentionSpec,
+    KVCacheManager,
+    KVCacheSpec,
+    Request,
+    SingleTypeKVCacheManager,
+    spec_manager_map,
+)
+from kvcache.single_type_manager import FullAttentionManager
 
 
 @dataclass(frozen=True)
@@ -13,7 +22,6 @@ class ChunkedLocalSpec(KVCacheSpec):
     chunk: int
 
 
-@register_manager(ChunkedLocalSpec)
 class ChunkedLocalManager(SingleTypeKVCacheManager):
     def remove_skipped_blocks(self, blocks, num_computed_tokens):
         first_needed = (num_computed_tokens // self.spec.chunk * self.spec.chunk) // self.block_size
@@ -32,7 +40,10 @@ class ChunkedLocalManager(SingleTypeKVCacheManager):
         return find(block_hashes, max_length, group_id, block_pool, spec)
 
 
-def test_chunked_local_plugs_in():
+def test_chunked_local_plugs_in(monkeypatch):
+    with pytest.raises(TypeError, match="no KV cache manager registered for ChunkedLocalSpec"):
+        KVCacheManager([ChunkedLocalSpec(2, 4)], num_blocks=40, max_model_len=64)
+    monkeypatch.setitem(spec_manager_map, ChunkedLocalSpec, ChunkedLocalManager)
     mgr = KVCacheManager([FullAttentionSpec(2), ChunkedLocalSpec(2, 4)], num_blocks=40, max_model_len=64)
     req = Request("r", list(range(10)))
     assert mgr.allocate_slots(req, 6, hit=mgr.get_computed_blocks(req)) == ([1, 2, 3], [4, 5, 6])

@@ -84,3 +84,23 @@ def test_single_group_lookup_is_its_policy_hit(spec):
         hit = mgr.get_computed_blocks(req)
         assert hit.num_tokens == len(blocks) * 2
         assert hit.blocks == (blocks,)
+
+
+@pytest.mark.parametrize("spec", [FullAttentionSpec(2), SlidingWindowSpec(2, 5)])
+def test_hit_lookups_go_through_the_pool(spec, monkeypatch):
+    """Both policies read the prefix cache only through BlockPool.get_cached_block."""
+    mgr = KVCacheManager([spec], num_blocks=50, max_model_len=64)
+    first = Request("a", list(range(20)))
+    mgr.allocate_slots(first, first.num_tokens, hit=mgr.get_computed_blocks(first))
+    first.num_computed_tokens = first.num_tokens
+    mgr.free(first)
+    pool, looked_up = mgr.block_pool, []
+    real = pool.get_cached_block
+
+    def get_cached_block(block_hash, group_id=0):
+        looked_up.append(block_hash)
+        return real(block_hash, group_id)
+
+    monkeypatch.setattr(pool, "get_cached_block", get_cached_block)
+    hit = mgr.get_computed_blocks(Request("b", list(range(20)) + [7]))
+    assert hit.num_tokens == 20 and looked_up

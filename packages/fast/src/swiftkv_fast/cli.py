@@ -13,6 +13,7 @@ A user error (a bad flag value, a missing file, a checkpoint that cannot be read
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -63,33 +64,53 @@ def _add_generate(sub) -> None:
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    """The `LLM` engine settings, shared by `generate` and `serve` (see `_engine_kwargs`)."""
+    """The `LLM` engine settings, shared by `generate` and `serve` (see `_engine_kwargs`); their defaults
+    are EngineConfig's."""
+    from swiftkv_fast.attention import BACKENDS
+    from swiftkv_fast.config import EngineConfig
+
+    default = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
     e = p.add_argument_group("engine")
     e.add_argument(
         "--num-key-value-layers",
         type=int,
-        default=None,
+        default=default["num_key_value_layers"],
         help="SwiftKV L: layers >= L take their KV from layer L's input (a plain checkpoint is converted on "
         "the fly; quality needs distillation)",
     )
     e.add_argument(
-        "--key-value-group-size", type=int, default=None, help="AcrossKV G: layers sharing one KV cache"
+        "--key-value-group-size",
+        type=int,
+        default=default["key_value_group_size"],
+        help="AcrossKV G: layers sharing one KV cache",
     )
-    e.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    e.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    e.add_argument("--dtype", default=default["dtype"], help="auto, float32, bfloat16 or float16")
+    e.add_argument("--device", default=default["device"], help="auto, cpu or cuda")
     e.add_argument(
         "--attention-backend",
-        default="auto",
-        choices=["auto", "torch", "triton", "flash_attn"],
+        default=default["attention_backend"],
+        choices=list(BACKENDS),
         help="auto: triton on CUDA when it imports, torch otherwise",
     )
-    e.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    e.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
-    e.add_argument("--max-num-batched-tokens", type=int, default=4096, help="token budget per step")
+    e.add_argument("--block-size", type=int, default=default["block_size"], help="tokens per KV cache block")
     e.add_argument(
-        "--max-model-len", type=int, default=None, help="longest prompt + output; None: the model's limit"
+        "--max-num-seqs", type=int, default=default["max_num_seqs"], help="requests running at once"
     )
-    e.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
+    e.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=default["max_num_batched_tokens"],
+        help="token budget per step",
+    )
+    e.add_argument(
+        "--max-model-len",
+        type=int,
+        default=default["max_model_len"],
+        help="longest prompt + output; None: the model's limit",
+    )
+    e.add_argument(
+        "--kv-cache-memory", type=int, default=default["kv_cache_memory"], help="KV cache size in bytes"
+    )
     e.add_argument(
         "--no-prefix-caching", action="store_true", help="do not reuse the KV of prompts seen before"
     )

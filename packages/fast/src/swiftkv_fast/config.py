@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from swiftkv_fast.attention import BACKENDS
-from swiftkv_fast.attention.flash_backend import FlashAttnBackend
+from swiftkv_fast.attention.flash_backend import validate_block_size
 from swiftkv_fast.kernels._common import interpreting
 
 DTYPES = {
@@ -70,7 +70,7 @@ class EngineConfig:
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         if self.attention_backend == "flash_attn":  # before any loading or allocation
-            FlashAttnBackend.validate_block_size(self.block_size)
+            validate_block_size(self.block_size)
         self._check_device()
         self._check_dtype()
         self._check_backend()

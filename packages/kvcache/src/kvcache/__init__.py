@@ -13,7 +13,7 @@ from kvcache.single_type_manager import (
     FullAttentionManager,
     SingleTypeKVCacheManager,
     SlidingWindowManager,
-    register_manager,
+    spec_manager_map,
 )
 from kvcache.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, cdiv
 from kvcache.stats import PrefixCacheStats
@@ -35,6 +35,6 @@ __all__ = [
     "SlidingWindowSpec",
     "cdiv",
     "hash_block_tokens",
-    "register_manager",
     "sha256_hash",
+    "spec_manager_map",
 ]

@@ -160,11 +160,3 @@ class BlockPool:
     def get_usage(self) -> float:
         """Fraction of usable blocks (all but the null block) held by requests."""
         return 1.0 - self.free_block_queue.num_free_blocks / (self.num_blocks - 1)
-
-    def get_block(self, block_id: int) -> KVCacheBlock:
-        """The block with this id (created if it has never been used)."""
-        if not 0 <= block_id < self.num_blocks:
-            raise IndexError(f"block id {block_id} out of range [0, {self.num_blocks})")
-        if block_id >= len(self.blocks):
-            self.free_block_queue.get_all_free_blocks()
-        return self.blocks[block_id]

@@ -10,15 +10,14 @@ Each attention type is one small class with exactly two policies:
   all cached, as a block list (null where a block is not needed).
 
 Everything else (tables, allocation, caching, freeing) is generic and lives in
-``SingleTypeKVCacheManager``. A class registers itself for its spec type with
-``@register_manager(SpecType)``, so adding an attention type (say chunked-local
-attention) means one spec and one class here or in any module: no other class
-changes.
+``SingleTypeKVCacheManager``. ``spec_manager_map`` (vLLM's name) maps each spec
+type to its class, so adding an attention type (say chunked-local attention) means
+one spec, one class and one entry there: no other class changes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import ClassVar
 
 from kvcache.block import KVCacheBlock
@@ -27,35 +26,10 @@ from kvcache.hashing import BlockHash
 from kvcache.request import Request
 from kvcache.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, cdiv
 
-_MANAGERS: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {}
-
-
-def register_manager(
-    spec_type: type[KVCacheSpec],
-) -> Callable[[type[SingleTypeKVCacheManager]], type[SingleTypeKVCacheManager]]:
-    """Class decorator: use the decorated manager for specs of ``spec_type``."""
-
-    def deco(cls: type[SingleTypeKVCacheManager]) -> type[SingleTypeKVCacheManager]:
-        _MANAGERS[spec_type] = cls
-        cls.spec_type = spec_type
-        return cls
-
-    return deco
-
-
-def manager_class_for(spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
-    """The registered manager class for ``spec`` (most specific spec type wins)."""
-    for klass in type(spec).__mro__:
-        cls = _MANAGERS.get(klass)  # type: ignore[arg-type]
-        if cls is not None:
-            return cls
-    raise TypeError(f"no KV cache manager registered for {type(spec).__name__}")
-
 
 class SingleTypeKVCacheManager:
     """Block tables of one KV cache group (one attention type) over the shared pool."""
 
-    spec_type: ClassVar[type[KVCacheSpec]]
     #: False only for types whose ``remove_skipped_blocks`` never removes anything
     #: (full attention); ``KVCacheManager`` then skips the per-step call. A subclass
     #: that defines its own ``remove_skipped_blocks`` is reset to True.
@@ -161,7 +135,6 @@ class SingleTypeKVCacheManager:
         self.block_pool.free_blocks(reversed(table))
 
 
-@register_manager(FullAttentionSpec)
 class FullAttentionManager(SingleTypeKVCacheManager):
     """Full attention: nothing is ever skipped; a hit is the cached prefix, left to right."""
 
@@ -182,17 +155,15 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         spec: KVCacheSpec,
     ) -> list[KVCacheBlock]:
         """Chained hashes: the first miss ends the hit (no later block can match)."""
-        get = block_pool.cached_block_hash_to_block[group_id].get
         out: list[KVCacheBlock] = []
         for i in range(min(max_length // spec.block_size, len(block_hashes))):
-            entry = get(block_hashes[i])
-            if entry is None:
+            block = block_pool.get_cached_block(block_hashes[i], group_id)
+            if block is None:
                 break
-            out.append(entry if type(entry) is KVCacheBlock else next(iter(entry.values())))  # type: ignore[union-attr,arg-type]
+            out.append(block)
         return out
 
 
-@register_manager(SlidingWindowSpec)
 class SlidingWindowManager(SingleTypeKVCacheManager):
     """Sliding window ``W``: the query at position ``n`` sees positions ``n-W+1 .. n``.
 
@@ -247,16 +218,31 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     ) -> list[KVCacheBlock]:
         block_size = spec.block_size
         need = cdiv(spec.window - 1, block_size)  # type: ignore[attr-defined]
-        get = block_pool.cached_block_hash_to_block[group_id].get
         run: list[KVCacheBlock] = []  # cached blocks right to left, ending at the current candidate
         for i in range(min(max_length // block_size, len(block_hashes)) - 1, -1, -1):
-            entry = get(block_hashes[i])
-            if entry is None:
+            block = block_pool.get_cached_block(block_hashes[i], group_id)
+            if block is None:
                 run.clear()
                 continue
-            run.append(entry if type(entry) is KVCacheBlock else next(iter(entry.values())))  # type: ignore[union-attr,arg-type]
+            run.append(block)
             if len(run) >= need:
                 run.reverse()
                 return [block_pool.null_block] * i + run
         run.reverse()  # the run that reached block 0, if any
         return run
+
+
+#: The manager class of each spec type (a spec subclass without an entry gets its base's manager).
+spec_manager_map: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
+    FullAttentionSpec: FullAttentionManager,
+    SlidingWindowSpec: SlidingWindowManager,
+}
+
+
+def manager_class_for(spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
+    """The manager class for ``spec`` (most specific spec type wins); TypeError when none serves it."""
+    for klass in type(spec).__mro__:
+        cls = spec_manager_map.get(klass)  # type: ignore[arg-type]
+        if cls is not None:
+            return cls
+    raise TypeError(f"no KV cache manager registered for {type(spec).__name__}")

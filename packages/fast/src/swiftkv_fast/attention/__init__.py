@@ -12,8 +12,9 @@ BACKENDS = ("auto", "torch", "triton", "flash_attn")
 __all__ = ["AttentionBackend", "AttentionMetadata", "TorchBackend", "BACKENDS", "get_attention_backend"]
 
 
-def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
-    """`auto` is `torch` on CPU and `triton` on CUDA when it imports (else `torch`)."""
+def get_attention_backend(name: str, device: torch.device | str, block_size: int) -> AttentionBackend:
+    """`auto` is `torch` on CPU and `triton` on CUDA when it imports (else `torch`). `block_size`: of
+    the KV cache (flash_attn needs a multiple of 256)."""
     device = torch.device(device)
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
@@ -21,7 +22,7 @@ def get_attention_backend(name: str, device: torch.device | str) -> AttentionBac
         if device.type != "cuda":
             return TorchBackend()
         try:
-            return get_attention_backend("triton", device)
+            return get_attention_backend("triton", device, block_size)
         except (ImportError, RuntimeError):
             return TorchBackend()
     if name == "torch":
@@ -41,4 +42,4 @@ def get_attention_backend(name: str, device: torch.device | str) -> AttentionBac
         from swiftkv_fast.attention.flash_backend import FlashAttnBackend
     except ImportError as e:
         raise ImportError(f"attention_backend='flash_attn' needs the `flash_attn` package ({e})") from e
-    return FlashAttnBackend()
+    return FlashAttnBackend(block_size)

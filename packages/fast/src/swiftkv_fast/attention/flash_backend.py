@@ -10,9 +10,9 @@
 - write_kv: the Triton scatter kernel when triton imports, else torch indexing.
 
 flash-attn's paged mode needs a KV block size that is a multiple of 256: the
-engine must call :meth:`FlashAttnBackend.validate_block_size` when it builds
-the cache. flash_attn is imported lazily, in the constructor: importing this
-module never fails.
+constructor checks it once (EngineConfig checks it before anything is loaded).
+flash_attn is imported lazily, in the constructor: importing this module never
+fails.
 """
 
 from __future__ import annotations
@@ -74,17 +74,9 @@ def _window_size(window: int | None) -> tuple[int, int]:
 class FlashAttnBackend(AttentionBackend):
     name = "flash_attn"
     supports_cuda_graph = True  # flash_attn_with_kvcache is what vLLM captures for decode
-    block_size_multiple = FLASH_BLOCK_MULTIPLE
 
-    @staticmethod
-    def validate_block_size(block_size: int) -> int:
-        return validate_block_size(block_size)
-
-    @staticmethod
-    def is_available() -> bool:
-        return flash_attn_available()
-
-    def __init__(self):
+    def __init__(self, block_size: int):
+        validate_block_size(block_size)
         self._varlen, self._with_kvcache = _import_flash_attn()
         if not torch.cuda.is_available():
             raise RuntimeError("attention_backend='flash_attn' needs a CUDA device; use 'torch' or 'triton'")
@@ -102,7 +94,6 @@ class FlashAttnBackend(AttentionBackend):
         self._triton_write(kv_cache, k, v, slot_mapping)
 
     def prefill(self, q, k_cache, v_cache, meta, window, scale) -> torch.Tensor:
-        validate_block_size(int(k_cache.shape[1]))
         seq_lens = meta.seq_lens
         cu_seqlens_k = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
         cu_seqlens_k[1:] = seq_lens.cumsum(0, dtype=torch.int32)
@@ -121,7 +112,6 @@ class FlashAttnBackend(AttentionBackend):
         )
 
     def decode(self, q, k_cache, v_cache, seq_lens, block_tables, window, scale) -> torch.Tensor:
-        validate_block_size(int(k_cache.shape[1]))
         out = self._with_kvcache(
             q.unsqueeze(1),
             k_cache,

@@ -153,12 +153,3 @@ class SwiftKVModel:
             h = self._mlp(h, lw)
         h = rms_norm(h, self.w.norm, self.eps)
         return F.linear(h, self.w.lm_head).float()  # (S, vocab)
-
-    def forward(self, inp: ModelInput, kv_cache: torch.Tensor) -> torch.Tensor | None:
-        """Both halves, eagerly. Returns fp32 logits (S, vocab) of the sampled tokens, or None."""
-        h = self.first_half(inp, kv_cache)
-        if h is None:
-            return None
-        return self.second_half(
-            h, inp.sampled_positions, inp.sampled_seq_lens, inp.sampled_block_tables, kv_cache
-        )

@@ -63,7 +63,7 @@ class ModelRunner:
                 f"max_model_len={econf.max_model_len} tokens ({self.blocks_per_request} blocks + the null "
                 "block): give it more memory or lower max_model_len"
             )
-        self.backend = get_attention_backend(econf.attention_backend, self.device)
+        self.backend = get_attention_backend(econf.attention_backend, self.device, econf.block_size)
         self.model = SwiftKVModel(
             weights,
             num_key_value_layers=config.num_key_value_layers,

@@ -4,6 +4,7 @@ only the SwiftKV parameters, the schedule, checkpoints that resume bit-for-bit, 
 from __future__ import annotations
 
 import copy
+import logging
 import math
 
 import pytest
@@ -177,6 +178,24 @@ class _Crashing:
             yield b
 
 
+def test_teacher_cache_changes_nothing_but_the_work(caplog):
+    """Later epochs reuse the teacher's outputs: the same losses and tensors, bit for bit, as a run
+    that recomputes the teacher every step."""
+    init = _student("qwen2_hybrid_bias", 2, 2)
+    batches = _batches(3)
+    runs = {}
+    for gib in (0.0, 1.0):
+        model = copy.deepcopy(init)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="swiftkv_distill.distill"):
+            config = DistillConfig(steps=5, lr=3e-3, teacher_cache_gib=gib)
+            result = distill(model, batches, config, progress=False)
+        runs[gib] = (model.state_dict(), result, caplog.text)
+    assert "3 computed, 2 reused" in runs[1.0][2] and "reused" not in runs[0.0][2]
+    assert runs[1.0][1].losses == runs[0.0][1].losses
+    assert all(torch.equal(runs[1.0][0][k], runs[0.0][0][k]) for k in runs[0.0][0])
+
+
 def test_resume_equals_an_uninterrupted_run(tmp_path):
     """Killed in step 4 (5 batches cycled, 2 per step, a checkpoint every 2 steps), resumed on a fresh
     copy of the initial model: the same tensors and history, bit for bit, as a run never stopped."""
@@ -240,6 +259,7 @@ class _NeverRead:
         ("logits_loss_temp", -2.0),
         ("hidden_loss_mult", float("inf")),
         ("hidden_loss_layer", 1.5),
+        ("teacher_cache_gib", -1.0),
         ("checkpoint_every", 0),
         ("keep_checkpoints", 0),
     ],

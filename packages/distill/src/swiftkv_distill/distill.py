@@ -54,7 +54,7 @@ from swiftkv_reference.model import SwiftKVForCausalLM
 from tqdm.auto import tqdm
 
 from .batch import Batch
-from .forward import ForwardOutput, training_forward
+from .forward import ForwardOutput, final_logits, training_forward
 from .trainer_state import (
     TrainerState,
     checkpoint_path,
@@ -68,7 +68,8 @@ from .trainer_state import (
 logger = logging.getLogger(__name__)
 
 SWIFTKV_MODULES = frozenset({"norm_swiftkv", "q_proj_swiftkv", "k_proj_swiftkv", "v_proj_swiftkv"})
-_NOT_TRAJECTORY = ("checkpoint_every", "keep_checkpoints")  # settings a resumed run may change
+# settings a resumed run may change
+_NOT_TRAJECTORY = ("checkpoint_every", "keep_checkpoints", "teacher_cache_gib")
 _HISTORY = ("loss", "logits_loss", "hidden_loss", "lr", "grad_norm")
 
 
@@ -90,6 +91,7 @@ class DistillConfig:
     hidden_loss_layer: int = -2  # index into (h_0, ..., h_{N-1}, norm(h_N)); see the module docstring
     checkpoint_every: int | None = None  # steps between checkpoints (with a checkpoint_dir); None: at the end
     keep_checkpoints: int | None = 2  # newest checkpoints kept; None keeps all
+    teacher_cache_gib: float = 4.0  # keep the teacher's outputs for later epochs up to this much; 0: never
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(self.betas))
@@ -105,6 +107,7 @@ class DistillConfig:
         _check_float("eps", self.eps, "> 0", lambda x: x > 0)
         _check_float("logits_loss_temp", self.logits_loss_temp, "> 0", lambda x: x > 0)
         _check_float("hidden_loss_mult", self.hidden_loss_mult, ">= 0", lambda x: x >= 0)
+        _check_float("teacher_cache_gib", self.teacher_cache_gib, ">= 0", lambda x: x >= 0)
         if self.max_grad_norm is not None:
             _check_float("max_grad_norm", self.max_grad_norm, "> 0 (or None)", lambda x: x > 0)
         if len(self.betas) != 2 or not all(_is_real(b) and 0 <= b < 1 for b in self.betas):
@@ -230,6 +233,7 @@ def _train(
 
     accum = config.gradient_accumulation_steps
     micro_batches = _cycle(batches, skip=start * accum)
+    cache = _TeacherCache(int(config.teacher_cache_gib * 2**30))
     autocast = (
         torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     )
@@ -243,9 +247,10 @@ def _train(
         optimizer.zero_grad(set_to_none=True)
         sums = torch.zeros(3, dtype=torch.float64)  # loss, logits_loss, hidden_loss
         for _ in range(accum):
-            batch = next(micro_batches).to(device)
+            index, batch = next(micro_batches)
+            batch = batch.to(device)
             with autocast:
-                parts = _micro_batch_loss(model, batch, config)
+                parts = _micro_batch_loss(model, batch, config, cache, index)
             (parts[0] / accum).backward()
             sums += torch.stack([p.detach().double().cpu() for p in parts])
         max_norm = config.max_grad_norm if config.max_grad_norm is not None else math.inf
@@ -264,6 +269,13 @@ def _train(
             snapshot = TrainerState(done, dict(trainable), optimizer_state, rng_state(), meta)
             checkpoint = save_trainer_state(ckpt_dir, snapshot, config.keep_checkpoints)
     bar.close()
+    if cache.num_hits:
+        logger.info(
+            "teacher outputs: %d computed, %d reused (%.0f MiB kept)",
+            cache.num_misses,
+            cache.num_hits,
+            cache.nbytes / 2**20,
+        )
     ran = config.steps - start
     return DistillResult(
         losses=history["loss"],
@@ -277,31 +289,77 @@ def _train(
     )
 
 
-def _micro_batch_loss(model: SwiftKVForCausalLM, batch: Batch, config: DistillConfig):
-    """(loss, logits_loss, hidden_loss) of one Batch; the teacher runs without gradients, and the
-    student starts at layer L from the teacher's h_L (its layers < L are the teacher's, frozen)."""
+@dataclass
+class _TeacherOutputs:
+    """What the loss needs from the teacher for one micro-batch (the same every epoch)."""
+
+    first: int  # the layer where the two paths part (the student starts there)
+    start: torch.Tensor  # (B, T, hidden): h_first
+    hidden: torch.Tensor  # (n_real, hidden): the hidden-loss target at the real tokens
+    final: torch.Tensor  # (P, hidden): the stream entering the final norm at the scored positions
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.start, self.hidden, self.final))
+
+
+class _TeacherCache:
+    """The teacher's outputs per micro-batch position in the cycle, kept while they fit in max_bytes:
+    later epochs then skip the teacher's forward (its logits are one lm_head away from `final`)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes, self.nbytes = max_bytes, 0
+        self.outputs: dict[int, _TeacherOutputs] = {}
+        self.num_hits = self.num_misses = 0
+
+    def get(self, index: int, compute) -> _TeacherOutputs:
+        if index in self.outputs:
+            self.num_hits += 1
+            return self.outputs[index]
+        self.num_misses += 1
+        out = compute()
+        if self.nbytes + out.nbytes <= self.max_bytes:
+            self.outputs[index] = out
+            self.nbytes += out.nbytes
+        return out
+
+
+def _micro_batch_loss(
+    model: SwiftKVForCausalLM, batch: Batch, config: DistillConfig, cache: _TeacherCache, index: int
+):
+    """(loss, logits_loss, hidden_loss) of one Batch (position `index` of the cycle); the teacher runs
+    without gradients (or comes from the cache), and the student starts at layer L from the teacher's
+    h_L (its layers < L are the teacher's, frozen)."""
     n, big_l = model.config.num_hidden_layers, model.config.num_key_value_layers
     layer = config.hidden_loss_layer % (n + 1)  # n: norm(h_N)
     keep = {layer} if layer < n else set()
-    first = min(big_l, layer)  # where the two paths part (or the hidden loss's layer, if earlier)
+    rows = batch.attention_mask  # (B, T)
+
+    def run_teacher() -> _TeacherOutputs:
+        first = min(big_l, layer)  # where the two paths part (or the hidden loss's layer, if earlier)
+        with torch.no_grad():
+            out = training_forward(
+                model, batch.input_ids, swiftkv=False, compute_logits=False, keep_states=keep | {first}
+            )
+            hidden = _hidden_state(model, out, layer)[rows]
+        return _TeacherOutputs(first, out.states[first], hidden, out.hidden[batch.logits_mask])
+
+    teacher = cache.get(index, run_teacher)
     with torch.no_grad():
-        teacher = training_forward(
-            model, batch.input_ids, swiftkv=False, logits_mask=batch.logits_mask, keep_states=keep | {first}
-        )
+        teacher_logits = final_logits(model, teacher.final)  # (P, vocab)
     student = training_forward(
         model,
         batch.input_ids,
         swiftkv=True,
         logits_mask=batch.logits_mask,
         keep_states=keep,
-        start=(first, teacher.states[first]),
+        start=(teacher.first, teacher.start),
     )
-    rows = batch.attention_mask  # (B, T)
     return distill_loss(
         student.logits,
-        teacher.logits,
+        teacher_logits,
         _hidden_state(model, student, layer)[rows],
-        _hidden_state(model, teacher, layer)[rows],
+        teacher.hidden,
         config.logits_loss_temp,
         config.hidden_loss_mult,
     )
@@ -312,14 +370,14 @@ def _hidden_state(model: SwiftKVForCausalLM, out: ForwardOutput, layer: int) -> 
     return out.states[layer] if layer < model.config.num_hidden_layers else model.model.norm(out.hidden)
 
 
-def _cycle(batches: Iterable[Batch], skip: int) -> Iterator[Batch]:
-    """The batches in order, over and over, after skipping the first `skip`."""
+def _cycle(batches: Iterable[Batch], skip: int) -> Iterator[tuple[int, Batch]]:
+    """(position in `batches`, batch), in order, over and over, after skipping the first `skip`."""
     while True:
-        for batch in batches:
+        for index, batch in enumerate(batches):
             if skip:
                 skip -= 1
                 continue
-            yield batch
+            yield index, batch
 
 
 def _optimizer(trainable: dict[str, torch.nn.Parameter], config: DistillConfig) -> torch.optim.AdamW:

@@ -144,8 +144,13 @@ def training_forward(
     logits = None
     if compute_logits:
         rows = h if logits_mask is None else h[logits_mask]  # (B, T, hidden) / (P, hidden)
-        logits = F.linear(model.model.norm(rows), model.lm_weight()).float()
+        logits = final_logits(model, rows)
     return ForwardOutput(hidden=h, logits=logits, residual=residual, kv=captured, states=states, mass=mass)
+
+
+def final_logits(model: SwiftKVForCausalLM, h: torch.Tensor) -> torch.Tensor:
+    """fp32 logits (..., vocab) of h (..., hidden), the residual stream entering the final norm."""
+    return F.linear(model.model.norm(h), model.lm_weight()).float()
 
 
 def _project_kv(attn: Attention, x: torch.Tensor, swiftkv: bool) -> tuple[torch.Tensor, torch.Tensor]:

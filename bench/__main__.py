@@ -19,6 +19,7 @@ BENCHMARKS = {
     "memory": "memory",
     "gpu": "gpu",
     "quality": "quality",
+    "serve": "serve",
 }
 ALL = ["prefill", "throughput", "kvcache", "memory"]
 
@@ -33,6 +34,7 @@ tables show the median [min-max] over the rounds, and ratios are computed round 
   kvcache     the kvcache trace benchmark (and vLLM's cache manager when importable)
   memory      KV bytes per token and maximum concurrency across L and G (AcrossKV)
   quality     how closely SwiftKV students answer like the model, per L, beside the prefill speedup
+  serve       swiftkv serve (SwiftKV off/on) vs transformers serve under 1, 4, 16 concurrent chat clients
   gpu         short CUDA benchmark for `nox -s gpu` (exits 0 with a message without CUDA)
   all         prefill, throughput, kvcache, memory
 
@@ -45,7 +47,7 @@ def _common(out_default: Path) -> argparse.ArgumentParser:
     g = common.add_argument_group("common options")
     g.add_argument("--quick", action="store_true", help="small sizes and one round: checks that it runs")
     g.add_argument("--out", type=Path, default=out_default, help=f"output directory (default {out_default})")
-    g.add_argument("--repeat", type=int, help="timed rounds per case (default 3, demo 1; quick 1)")
+    g.add_argument("--repeat", type=int, help="timed rounds per case (default 3, demo 1, serve 2; quick 1)")
     g.add_argument(
         "--warmup",
         type=int,

@@ -118,7 +118,7 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """All benchmarks (`nox -s bench -- serve` runs one; transformers[serving] + accelerate: its baseline server)."""
+    """All benchmarks (`nox -s bench -- serve` runs one; transformers[serving], accelerate: its baseline)."""
     _install_stack(session, "matplotlib", "httpx", "transformers[serving]", "accelerate")
     session.run("python", "-m", "bench", *(session.posargs or ["all"]), env=OFFLINE_ENV)
 

@@ -110,6 +110,14 @@ def swiftkv_model(llm):
     return llm.llm_engine.runner.model
 
 
+def linear_kernels() -> dict[str, Any]:
+    """The CPU model and the engine's linear-kernel plan of every layer shape built in this process
+    ({"qkv (960x576)": "matmul <= 1, mkldnn above", ...}; empty before any engine is built)."""
+    from swiftkv_fast.model.linear_kernels import cpu_model, kernel_choices
+
+    return {"cpu_model": cpu_model(), "linear_kernels": kernel_choices()}
+
+
 def step_token_budget(llm) -> int:
     """Tokens the engine schedules per step at most (max_num_batched_tokens)."""
     return llm.llm_engine.econf.max_num_batched_tokens

@@ -1,9 +1,11 @@
 """The GEMM floor of a generation workload: only the fp32 linear layers the engine must run for it.
 
-Same weights (the engine's own `Linear`s and lm_head), same shapes, same chunking as the engine's
-schedule, random activations; no attention, norms, RoPE, sampling or scheduling. No engine whose
-matrix products go through this machine's BLAS can finish the workload faster, so
-`baseline seconds / floor seconds` is the highest speedup over the baseline that is reachable here.
+Same weights (the engine's own `Linear`s, lm_head included), same kernels (each one's choice by the
+engine's LinearKernelChooser: the fastest of F.linear, matmul on W^T and oneDNN's prepacked linear
+measured on this machine), same shapes, same chunking as the engine's schedule, random activations;
+no attention, norms, RoPE, sampling or scheduling. No engine using these kernels can finish the
+workload faster, so `baseline seconds / floor seconds` is the highest speedup over the baseline that
+is reachable here.
 
 Worked example (the issue-4 mix: 16 prompts x 256 tokens -> 64 tokens, L = N = 30,
 max_num_batched_tokens = 4096):
@@ -19,7 +21,6 @@ With L = 15 the prefill chunk runs 15 layers plus the fused K/V projection of la
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from bench.engine import BatchResult, step_token_budget, swiftkv_model
 
@@ -64,7 +65,7 @@ def run(llm, prompts: list[list[int]], output_len: int) -> BatchResult:
     def sampled_rows(m: int) -> None:  # the second half and lm_head for m sampled tokens
         for layer in w.layers[L:]:
             layer_linears(layer, m)
-        F.linear(rows(m, w.lm_head.shape[1], w.embed), w.lm_head)
+        w.lm_head(rows(m, w.lm_head.in_features, w.embed))
 
     for m in prompt_chunks([len(p) for p in prompts], step_token_budget(llm)):
         all_rows(m)

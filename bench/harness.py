@@ -14,6 +14,7 @@ import gc
 import logging
 import os
 import platform
+import re
 import statistics
 import subprocess
 import time
@@ -129,20 +130,27 @@ def paired_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> St
 
 
 def machine_info() -> dict[str, Any]:
-    """What a reader needs to judge a number: CPUs, load, versions, device, date, commit."""
+    """What a reader needs to judge a number: CPU model and count, load, versions (BLAS and oneDNN too),
+    device, date, commit, and the engine's linear kernel per layer shape (why two machines differ)."""
     import torch
 
+    from bench.engine import linear_kernels
+
+    kernels = linear_kernels()
     info: dict[str, Any] = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "hostname": platform.node(),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": kernels["cpu_model"],
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        **blas_info(),
+        "linear_kernels": kernels["linear_kernels"],
         "device": "cuda" if torch.cuda.is_available() else "cpu",
         "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "git_commit": _git_commit(),
@@ -154,6 +162,41 @@ def machine_info() -> dict[str, Any]:
     except ImportError:
         info["transformers"] = None
     return info
+
+
+def blas_info() -> dict[str, Any]:
+    """torch's BLAS library and versions of MKL and oneDNN (from torch.__config__.show()), whether oneDNN
+    is usable, and the SIMD level torch's CPU kernels use."""
+    import torch
+
+    config = torch.__config__.show()
+
+    def find(pattern: str) -> str | None:
+        m = re.search(pattern, config)
+        return m.group(1) if m else None
+
+    return {
+        "blas": find(r"BLAS_INFO=(\w+)"),
+        "mkl": find(r"Math Kernel Library Version ([\w.]+)"),
+        "onednn": find(r"(?:MKL-DNN|oneDNN) v([\w.]+)"),
+        "onednn_available": torch.backends.mkldnn.is_available(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+
+
+def machine_summary(info: dict[str, Any]) -> list[str]:
+    """The lines a table header shows of `machine_info()`."""
+    load = info["load_average_1m"]
+    lines = [
+        f"machine: {info['cpu_model']}, {info['cpu_count']} CPUs ({info['torch_threads']} torch threads"
+        + ("" if load is None else f", load {load:.1f}")
+        + f"), {info['cpu_capability']}; torch {info['torch']}, BLAS {info['blas']} (MKL {info['mkl']}), "
+        f"oneDNN {info['onednn']}" + ("" if info["onednn_available"] else " (unavailable)")
+    ]
+    kernels = info.get("linear_kernels") or {}
+    if kernels:
+        lines.append("linear kernels: " + "; ".join(f"{k}: {v}" for k, v in kernels.items()))
+    return lines
 
 
 def _git_commit() -> str | None:

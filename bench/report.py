@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.harness import Stats, machine_info
+from bench.harness import Stats, machine_info, machine_summary
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,9 @@ def bars(ax, labels: Sequence[str], stats: Sequence[Stats], **kw: Any) -> None:
 
 
 def finish(tables: Sequence[Table], paths: Sequence[Path | None]) -> None:
-    """Print the tables and say where the files went."""
+    """Print the machine, the tables, and say where the files went."""
+    print()
+    print("\n".join(machine_summary(machine_info())))
     for table in tables:
         print()
         print(table.render())

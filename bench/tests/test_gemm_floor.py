@@ -35,7 +35,7 @@ def test_floor_runs_the_engine_linears_of_the_schedule(monkeypatch, num_key_valu
     expected = []
     for m in (8, 4):  # prefill chunks: layers < L and the fused K/V projection
         expected += [m] * (4 * L + len(swiftkv))
-    expected += [2] * 4 * (n - L)  # the first token: second half for the 2 sampled rows
+    expected += [2] * (4 * (n - L) + 1)  # the first token: second half and lm_head, 2 sampled rows
     for _ in range(2):  # decode steps
-        expected += [2] * (4 * L + len(swiftkv) + 4 * (n - L))
+        expected += [2] * (4 * L + len(swiftkv) + 4 * (n - L) + 1)
     assert calls == expected

@@ -20,9 +20,3 @@ def test_linear_matches_f_linear(rows, with_bias):
     xs = torch.randn(rows, 80, generator=g)[:, ::2]
     want = F.linear(xs, w, b)
     torch.testing.assert_close(lin(xs), want, rtol=0, atol=fp32_atol(want))
-
-
-def test_linear_keeps_cpu_weights_transposed():
-    w = torch.randn(8, 4)
-    lin = Linear(w)
-    assert lin.transposed and lin.weight.shape == (4, 8) and lin.weight.is_contiguous()

@@ -67,7 +67,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     """The `LLM` engine settings, shared by `generate` and `serve` (see `_engine_kwargs`); their defaults
     are EngineConfig's."""
     from swiftkv_fast.attention import BACKENDS
-    from swiftkv_fast.config import EngineConfig
+    from swiftkv_fast.config import LINEAR_KERNELS, EngineConfig
 
     default = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
     e = p.add_argument_group("engine")
@@ -114,6 +114,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     e.add_argument(
         "--no-prefix-caching", action="store_true", help="do not reuse the KV of prompts seen before"
     )
+    e.add_argument(
+        "--linear-kernel",
+        default=default["linear_kernel"],
+        choices=list(LINEAR_KERNELS),
+        help="CPU GEMM kernel of the linear layers: auto times them once per machine (cached)",
+    )
 
 
 def _engine_kwargs(args) -> dict:
@@ -129,6 +135,7 @@ def _engine_kwargs(args) -> dict:
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=not args.no_prefix_caching,
+        linear_kernel=args.linear_kernel,
     )
 
 

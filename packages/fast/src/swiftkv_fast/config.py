@@ -20,6 +20,8 @@ DTYPES = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
+# CPU linear kernels (model/linear_kernels.py): auto = chosen by measurement, or one forced everywhere
+LINEAR_KERNELS = ("auto", "linear", "matmul", "mkldnn")
 
 
 @dataclass
@@ -40,6 +42,7 @@ class EngineConfig:
     seed: int = 0  # seeds the per-request generators of requests without their own seed
     enforce_eager: bool = False  # True: no CUDA graphs for the second half (CPU is always eager)
     return_logits: bool = False  # keep the fp32 logits row of every sampled token on the output
+    linear_kernel: str = "auto"  # CPU GEMM kernel (LINEAR_KERNELS): auto is timed once per machine, cached
 
     def __post_init__(self) -> None:
         """Every check that needs no checkpoint: a bad value is a ValueError (a wrong type a TypeError)
@@ -74,6 +77,7 @@ class EngineConfig:
         self._check_device()
         self._check_dtype()
         self._check_backend()
+        self._check_linear_kernel()
         if self.kv_cache_memory is not None:
             self.check_kv_cache_fits(self.kv_cache_memory, "kv_cache_memory")
         if self.model is not None:
@@ -124,6 +128,15 @@ class EngineConfig:
             raise ValueError(
                 "attention_backend='triton' on CPU needs TRITON_INTERPRET=1 set before importing "
                 "swiftkv_fast (the interpreter, for tests); use 'torch'"
+            )
+
+    def _check_linear_kernel(self) -> None:
+        if self.linear_kernel not in LINEAR_KERNELS:
+            raise ValueError(f"linear_kernel must be one of {LINEAR_KERNELS}, got {self.linear_kernel!r}")
+        if torch.device(self.device).type != "cpu" and self.linear_kernel not in ("auto", "linear"):
+            raise ValueError(
+                f"linear_kernel={self.linear_kernel!r} is a CPU kernel; on device={self.device!r} every "
+                "linear layer runs F.linear: use 'auto' or 'linear'"
             )
 
     def check_kv_cache_fits(self, num_bytes: int, what: str) -> None:

@@ -1,42 +1,39 @@
-"""Small layers: Linear (weight stored in the layout the device's GEMM is fastest with), RMSNorm, RoPE
+"""Small layers: Linear (its kernel chosen per row count, model/linear_kernels.py), RMSNorm, RoPE
 (cos/sin table), SiLU-and-mul."""
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 import torch
 import torch.nn.functional as F
+
+from swiftkv_fast.model.linear_kernels import KERNELS, KernelChoice
 
 
 class Linear:
     """y = x W^T + b for a checkpoint weight W (out_features, in_features).
 
-    On CPU the weight is kept transposed, (in_features, out_features) contiguous: MKL's sgemm over a few
-    rows (decode-shaped batches) is 1.2-3x faster without the transpose flag, and as fast for thousands
-    of rows (prefill). Other devices keep W as it is (cuBLAS's preferred layout).
+    `choice` holds W in the layouts its kernels need and which kernel runs which row counts (on CPU
+    LinearKernelChooser picks them by measurement); without one, F.linear on W as it is.
     """
 
-    __slots__ = ("weight", "bias", "transposed")
+    __slots__ = ("in_features", "out_features", "bias", "layouts", "plan", "_bounds", "_runs")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.transposed = weight.device.type == "cpu"
-        self.weight = weight.t().contiguous() if self.transposed else weight
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, choice: KernelChoice | None = None
+    ):
+        choice = choice or KernelChoice.single("linear", weight)
+        self.out_features, self.in_features = weight.shape
         self.bias = bias
-
-    @property
-    def in_features(self) -> int:
-        return self.weight.shape[0] if self.transposed else self.weight.shape[1]
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[1] if self.transposed else self.weight.shape[0]
+        self.layouts, self.plan = choice.layouts, choice.plan
+        self._bounds = [rows for rows, _ in choice.plan[:-1]]
+        self._runs = [(KERNELS[k].run, choice.layouts[k]) for _, k in choice.plan]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: (T, in_features) -> (T, out_features)
-        if not self.transposed:
-            return F.linear(x, self.weight, self.bias)
-        if self.bias is None:
-            return torch.mm(x, self.weight)
-        return torch.addmm(self.bias, x, self.weight)
+        run, layout = self._runs[bisect_left(self._bounds, x.shape[0])]
+        return run(x, layout, self.bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import torch
 
+from swiftkv_fast.config import EngineConfig
 from swiftkv_fast.logger import init_logger
 from swiftkv_fast.model.kv_cache_layout import KVCacheLayout
 from swiftkv_fast.model.layers import Linear
+from swiftkv_fast.model.linear_kernels import LinearKernelChooser, row_buckets
 from swiftkv_fast.model.swiftkv_model import LayerWeights, ModelWeights
 
 logger = init_logger(__name__)
@@ -83,9 +85,23 @@ def apply_swiftkv_options(config, state_dict, num_key_value_layers, key_value_gr
     return swiftkv_init(config, state_dict, want_l, want_g)
 
 
-def build_weights(config, sd: dict[str, torch.Tensor], dtype, device, layout: KVCacheLayout) -> ModelWeights:
-    """Fuse q/k/v, gate/up, and all group leaders' k/v_proj_swiftkv; drop unused teacher weights."""
+def build_weights(
+    config, sd: dict[str, torch.Tensor], econf: EngineConfig, layout: KVCacheLayout
+) -> ModelWeights:
+    """Fuse q/k/v, gate/up, and all group leaders' k/v_proj_swiftkv; drop unused teacher weights. Each
+    Linear's kernels are chosen by econf.linear_kernel (model/linear_kernels.py): layers < L and the
+    fused K/V projection run up to max_num_batched_tokens rows a step, layers >= L and lm_head one row
+    per running request."""
     L, n = config.num_key_value_layers, config.num_hidden_layers
+    dtype, device = econf.dtype, econf.device
+    kernels = LinearKernelChooser(
+        econf.linear_kernel,
+        device,
+        row_buckets(econf.max_num_seqs, econf.max_num_batched_tokens),
+        cache_dir=kernel_cache_dir(),
+    )
+    every_row = econf.max_num_batched_tokens
+    sampled_rows = min(econf.max_num_seqs, econf.max_num_batched_tokens)
 
     def t(name):
         return sd[name].to(device=device, dtype=dtype).contiguous()
@@ -100,32 +116,39 @@ def build_weights(config, sd: dict[str, torch.Tensor], dtype, device, layout: KV
     def cat_opt(names):
         return cat(names) if all(x in sd for x in names) else None
 
+    def linear(name, weight, bias=None, rows=every_row, shared=False):
+        return Linear(weight, bias, kernels.choose(name, weight, bias, rows, shared=shared))
+
     layers = []
     for i in range(n):
         p = f"model.layers.{i}."
         a = p + "self_attn."
+        rows = every_row if i < L else sampled_rows
         if i < L:
             qkv = cat([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"])
-            bias = cat_opt([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"])
+            qkv = linear("qkv", qkv, cat_opt([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]))
         else:
-            qkv, bias = t(a + "q_proj_swiftkv.weight"), opt(a + "q_proj_swiftkv.bias")
-        qkv = Linear(qkv, bias)
+            w, b = t(a + "q_proj_swiftkv.weight"), opt(a + "q_proj_swiftkv.bias")
+            qkv = linear("q_swiftkv", w, b, rows=rows)
         c = config.cache_layer(i)
         layers.append(
             LayerWeights(
                 input_norm=t(p + "input_layernorm.weight"),
                 post_norm=t(p + "post_attention_layernorm.weight"),
                 qkv=qkv,
-                o=Linear(t(a + "o_proj.weight")),
-                gate_up=Linear(cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])),
-                down=Linear(t(p + "mlp.down_proj.weight")),
+                o=linear("o", t(a + "o_proj.weight"), rows=rows),
+                gate_up=linear(
+                    "gate_up", cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]), rows=rows
+                ),
+                down=linear("down", t(p + "mlp.down_proj.weight"), rows=rows),
                 window=config.window(i),
                 cache_layer=c,
                 group=layout.group_of_cache_layer[c],
             )
         )
     embed = t("model.embed_tokens.weight")
-    lm_head = t("lm_head.weight") if "lm_head.weight" in sd else embed
+    tied = "lm_head.weight" not in sd
+    lm_head = linear("lm_head", embed if tied else t("lm_head.weight"), rows=sampled_rows, shared=tied)
     weights = ModelWeights(
         embed=embed,
         norm=t("model.norm.weight"),
@@ -137,8 +160,18 @@ def build_weights(config, sd: dict[str, torch.Tensor], dtype, device, layout: KV
         leaders = list(range(L, n, config.key_value_group_size))
         names = [f"model.layers.{g}.self_attn.{kind}_proj_swiftkv." for kind in ("k", "v") for g in leaders]
         weights.norm_swiftkv = t("model.norm_swiftkv.weight")
-        weights.kv_swiftkv = Linear(cat([x + "weight" for x in names]), cat_opt([x + "bias" for x in names]))
+        weights.kv_swiftkv = linear(
+            "kv_swiftkv", cat([x + "weight" for x in names]), cat_opt([x + "bias" for x in names])
+        )
+    kernels.finish()
     return weights
+
+
+def kernel_cache_dir() -> Path:
+    """Where the linear-kernel timings of this machine are cached: the user's SwiftKV cache dir."""
+    from swiftkv_reference.default_model import cache_dir
+
+    return cache_dir() / "linear_kernels"
 
 
 def load_tokenizer(model_dir):

@@ -43,7 +43,7 @@ class LayerWeights:
 class ModelWeights:
     embed: torch.Tensor  # (vocab, hidden)
     norm: torch.Tensor  # (hidden,)
-    lm_head: torch.Tensor  # (vocab, hidden)
+    lm_head: Linear  # hidden -> vocab (tied: over the embedding's storage where its kernel allows)
     layers: list[LayerWeights]
     rope_inv_freq: torch.Tensor  # (head_dim // 2,) fp32: the RoPE frequencies (llama3 scaling applied)
     norm_swiftkv: torch.Tensor | None = None  # (hidden,)
@@ -152,4 +152,4 @@ class SwiftKVModel:
             h = h + lw.o(o.flatten(1))
             h = self._mlp(h, lw)
         h = rms_norm(h, self.w.norm, self.eps)
-        return F.linear(h, self.w.lm_head).float()  # (S, vocab)
+        return self.w.lm_head(h).float()  # (S, vocab)

@@ -49,7 +49,7 @@ class ModelRunner:
         self.blocks_per_request = layout.max_num_held_blocks(
             econf.max_model_len, econf.max_num_batched_tokens
         )
-        weights = build_weights(config, state_dict, econf.dtype, econf.device, layout)
+        weights = build_weights(config, state_dict, econf, layout)
         self.num_blocks = num_blocks_for(
             layout,
             econf.device,

@@ -1,0 +1,370 @@
+"""CPU linear kernels, chosen by measurement at start-up.
+
+Three ways to compute y = x W^T + b for a checkpoint weight W (out_features, in_features):
+
+    linear   F.linear on W as it is, (out, in)
+    matmul   torch.mm / addmm on W^T stored contiguous, (in, out)
+    mkldnn   oneDNN's prepacked fp32 inner product (torch.ops.mkldnn._reorder_linear_weight +
+             _linear_pointwise, what Inductor's weight freezing uses on CPU): W reordered once
+
+Which one is fastest depends on the GEMM library, the CPU and the row count (one layout was 2.3x
+faster than the other on one x86 machine and slower on another), so `LinearKernelChooser` times
+them once per weight shape and row bucket (decode batch sizes up to max_num_seqs, then up to the
+prefill chunk max_num_batched_tokens), interleaved, best of a few calls, and caches the timings in
+a JSON file per machine (CPU model and flags, core count, torch threads, torch version). Each layer
+keeps the fewest weight layouts that are nowhere more than COPY_WORTH slower than the fastest
+kernel (`plan_kernels`), and runs the fastest of them for each row bucket. A forced kernel
+(EngineConfig.linear_kernel) skips the timing. A private op that is missing or fails is dropped,
+with one log line, for the next candidate. Other devices always run F.linear.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cache, partial
+from itertools import combinations
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from swiftkv_fast.logger import init_logger
+
+logger = init_logger(__name__)
+
+# a second weight layout is kept only where it makes some row bucket more than 1.2x faster: less than
+# that is within the timing noise of a busy machine, and each layout is a full copy of the weight
+COPY_WORTH = 1.2
+MIN_SAMPLES, MAX_SAMPLES = 2, 7  # timed calls per kernel and case (the first one included: best-of)
+CASE_BUDGET_S = 0.02  # more samples while the case has taken less than this (all kernels together)
+CACHE_VERSION = 1
+FALLBACK = "linear"  # what a failing forced kernel is replaced by
+
+
+@dataclass(frozen=True)
+class LinearKernel:
+    name: str
+    pack: Callable[[torch.Tensor], torch.Tensor]  # W (out, in) -> the kernel's layout of it
+    run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]  # (x, layout, bias)
+
+
+def _matmul(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
+
+
+def _mkldnn_pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)  # opaque oneDNN tensor, (out, in)
+
+
+def _mkldnn(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+KERNELS = {
+    "linear": LinearKernel("linear", lambda w: w, F.linear),
+    "matmul": LinearKernel("matmul", lambda w: w.t().contiguous(), _matmul),
+    "mkldnn": LinearKernel("mkldnn", _mkldnn_pack, _mkldnn),
+}
+
+
+def nbytes(t: torch.Tensor) -> int:
+    """Bytes a weight layout holds (a oneDNN tensor's own size, padding included)."""
+    if t.is_mkldnn:
+        return int(torch.ops.mkldnn._nbytes(t))
+    return t.numel() * t.element_size()
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The weight layouts one Linear keeps and which kernel runs which row counts: `plan` is
+    ((max_rows, kernel), ...) ascending; the last entry also takes every larger count."""
+
+    layouts: dict[str, torch.Tensor]
+    plan: tuple[tuple[int, str], ...]
+
+    @classmethod
+    def single(cls, kernel: str, weight: torch.Tensor) -> KernelChoice:
+        return cls({kernel: KERNELS[kernel].pack(weight)}, ((sys.maxsize, kernel),))
+
+
+def row_buckets(max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, ...]:
+    """Row counts the kernels are timed at: powers of two up to the largest decode batch, that batch,
+    x4 steps above it and the prefill chunk. A step of r rows uses the choice of the first bucket >= r."""
+    decode = min(max_num_seqs, max_num_batched_tokens)
+    sizes = {decode, max_num_batched_tokens} | {1 << i for i in range(decode.bit_length())}
+    m = 4 * decode
+    while m < max_num_batched_tokens:
+        sizes.add(m)
+        m *= 4
+    return tuple(sorted(sizes))
+
+
+def plan_kernels(
+    times: dict[int, dict[str, float]], free: frozenset[str] = frozenset()
+) -> tuple[tuple[int, str], ...]:
+    """Per row bucket, the kernel to run, from `times` {rows: {kernel: seconds}}: among the kernel sets
+    that are within COPY_WORTH of each bucket's fastest kernel, the one needing the fewest weight copies
+    (kernels in `free` need none), then the fastest overall; each bucket runs the set's fastest."""
+    names = sorted(set.intersection(*(set(t) for t in times.values())))
+    best = {b: max(min(t[k] for k in names), 1e-12) for b, t in times.items()}
+
+    def slowdowns(kept):
+        return [min(times[b][k] for k in kept) / best[b] for b in times]
+
+    options = [
+        (len(set(kept) - free), sum(slowdowns(kept)), kept)
+        for size in range(1, len(names) + 1)
+        for kept in combinations(names, size)
+        if max(slowdowns(kept)) <= COPY_WORTH
+    ]
+    kept = min(options)[2]
+    return tuple((b, min(kept, key=lambda k: times[b][k])) for b in sorted(times))
+
+
+@cache
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what `platform` knows."""
+    return _cpuinfo_field("model name") or platform.processor() or platform.machine()
+
+
+def _cpuinfo_field(name: str) -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == name:
+                    return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
+@cache
+def machine_key() -> dict[str, object]:
+    """What kernel timings depend on; a cache file measured under another key is not used."""
+    flags = _cpuinfo_field("flags") or _cpuinfo_field("Features")
+    return {
+        "cpu": cpu_model(),
+        "cpu_flags": hashlib.sha1(flags.encode()).hexdigest()[:12],
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "mkldnn": torch.backends.mkldnn.is_available(),
+    }
+
+
+def cache_file(cache_dir: Path) -> Path:
+    key = json.dumps(machine_key(), sort_keys=True).encode()
+    return Path(cache_dir) / f"linear_kernels-{hashlib.sha1(key).hexdigest()[:16]}.json"
+
+
+Times = dict[str, dict[int, dict[str, float]]]  # shape key -> rows -> kernel -> best seconds
+
+
+def load_times(path: Path) -> Times:
+    """The timings cached in `path`; {} (with one log line) when it is missing, corrupt or foreign."""
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
+            raise ValueError(f"not a version-{CACHE_VERSION} linear-kernel cache")
+        if data.get("machine") != machine_key():
+            logger.warning("ignoring linear-kernel cache %s: measured on another machine or torch", path)
+            return {}
+        return {
+            shape: {int(rows): {str(k): float(s) for k, s in per.items()} for rows, per in t.items()}
+            for shape, t in data["times"].items()
+        }
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        logger.warning("ignoring corrupt linear-kernel cache %s (%s: %s)", path, type(e).__name__, e)
+        return {}
+
+
+def save_times(path: Path, times: Times) -> None:
+    """Written atomically; a cache that cannot be written is logged, not raised."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # for a reader judging the timings
+    data = {"version": CACHE_VERSION, "machine": machine_key(), "load_average_1m": load, "times": times}
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.warning("could not write the linear-kernel cache %s (%s)", path, e)
+
+
+def wall_time(kernel: str, rows: int, call: Callable[[], object]) -> float:
+    """Seconds of one call (the chooser's default timer; tests inject their own)."""
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+_CHOICES: dict[str, str] = {}  # "name (out x in)" -> its plan, every choice made in this process
+
+
+def kernel_choices() -> dict[str, str]:
+    """The kernel plan of every linear layer shape built in this process (benchmarks report it)."""
+    return dict(_CHOICES)
+
+
+def merge_runs(plan: tuple[tuple[int, str], ...]) -> tuple[tuple[int, str], ...]:
+    """Consecutive buckets of one kernel as one entry; the last one takes every larger row count."""
+    runs: list[tuple[int, str]] = []
+    for rows, k in plan:
+        if runs and runs[-1][1] == k:
+            runs[-1] = (rows, k)
+        else:
+            runs.append((rows, k))
+    runs[-1] = (sys.maxsize, runs[-1][1])
+    return tuple(runs)
+
+
+def describe_plan(plan: tuple[tuple[int, str], ...]) -> str:
+    """'matmul <= 1, mkldnn above' for a merged plan."""
+    last = plan[-1][1] + (" above" if len(plan) > 1 else "")
+    return ", ".join([f"{k} <= {rows}" for rows, k in plan[:-1]] + [last])
+
+
+@dataclass
+class LinearKernelChooser:
+    """Picks the kernel of every linear layer (see the module docstring). `kernel`: 'auto' or one of
+    KERNELS to force; `row_buckets` from `row_buckets()`; `cache_dir` None: no cache file."""
+
+    kernel: str
+    device: str | torch.device
+    row_buckets: tuple[int, ...]
+    cache_dir: Path | None = None
+    timer: Callable[[str, int, Callable[[], object]], float] = wall_time
+    times: Times = field(default_factory=dict)
+    extra_bytes: int = 0  # weight memory the kept layouts take beyond one copy of each weight
+    timed_cases: int = 0
+    timed_seconds: float = 0.0
+    failed: set[str] = field(default_factory=set)
+    choices: dict[str, str] = field(default_factory=dict)  # "name (out x in)" -> its plan, described
+
+    def __post_init__(self) -> None:
+        if self.kernel != "auto" and self.kernel not in KERNELS:
+            raise ValueError(f"linear_kernel must be 'auto' or one of {list(KERNELS)}, got {self.kernel!r}")
+        self.on_cpu = torch.device(self.device).type == "cpu"
+        self.cache_path = cache_file(self.cache_dir) if self.cache_dir is not None else None
+        if self.on_cpu and self.kernel == "auto" and self.cache_path is not None:
+            self.times = load_times(self.cache_path)
+
+    def choose(
+        self, name: str, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int, shared: bool = False
+    ) -> KernelChoice:
+        """The layouts and plan of one Linear over W (out, in) that runs at most `max_rows` rows.
+        `shared`: W's storage is kept anyway (the tied lm_head's embedding), so 'linear' costs nothing."""
+        if not self.on_cpu:
+            return KernelChoice.single("linear", weight)
+        layouts: dict[str, torch.Tensor] = {}
+        if self.kernel != "auto":
+            kernel = self.kernel if self._pack(self.kernel, weight, layouts) else FALLBACK
+            plan: tuple[tuple[int, str], ...] = ((sys.maxsize, kernel),)
+        else:
+            buckets = [b for b in self.row_buckets if b < max_rows]
+            buckets.append(next((b for b in self.row_buckets if b >= max_rows), max_rows))
+            times = self._times(weight, bias, buckets, layouts)
+            plan = merge_runs(plan_kernels(times, frozenset({"linear"}) if shared else frozenset()))
+        kept = {k for _, k in plan}
+        for k in kept - set(layouts):  # chosen from cached timings: packed here
+            if not self._pack(k, weight, layouts):
+                return self._without(k, name, weight, bias, max_rows, shared)
+        layouts = {k: layouts[k] for k in kept}
+        self.extra_bytes += self._extra_bytes(weight, layouts, shared)
+        self.choices[f"{name} ({weight.shape[0]}x{weight.shape[1]})"] = describe_plan(plan)
+        _CHOICES.update(self.choices)
+        return KernelChoice(layouts, plan)
+
+    def _without(self, kernel, name, weight, bias, max_rows, shared) -> KernelChoice:
+        for t in self.times.get(_shape_key(weight), {}).values():
+            t.pop(kernel, None)
+        return self.choose(name, weight, bias, max_rows, shared)
+
+    def _pack(self, kernel: str, weight: torch.Tensor, layouts: dict[str, torch.Tensor]) -> bool:
+        """Packs W for `kernel` into `layouts` and checks one call runs; False (logged once) if not."""
+        if kernel in self.failed:
+            return False
+        try:
+            layout = KERNELS[kernel].pack(weight)
+            with torch.inference_mode():
+                KERNELS[kernel].run(weight.new_zeros(1, weight.shape[1]), layout, None)
+        except Exception as e:  # a private op: missing in this torch, or unsupported here
+            if kernel == FALLBACK:
+                raise
+            self.failed.add(kernel)
+            logger.warning(
+                "linear kernel %r failed (%s: %s): not used in this process", kernel, type(e).__name__, e
+            )
+            return False
+        layouts[kernel] = layout
+        return True
+
+    def _times(self, weight, bias, buckets: list[int], layouts) -> dict[int, dict[str, float]]:
+        """{rows: {kernel: best seconds}} for every bucket, measuring the ones the cache lacks."""
+        names = [k for k in KERNELS if k not in self.failed]
+        known = self.times.setdefault(_shape_key(weight), {})
+        missing = [b for b in buckets if not set(names) <= set(known.get(b, {}))]
+        if missing:
+            names = [k for k in names if self._pack(k, weight, layouts)]
+            start = time.perf_counter()
+            with torch.inference_mode():
+                for rows in missing:
+                    known[rows] = self._measure(weight, bias, rows, {k: layouts[k] for k in names})
+            self.timed_seconds += time.perf_counter() - start
+            self.timed_cases += len(missing)
+        return {b: {k: known[b][k] for k in names} for b in buckets}
+
+    def _measure(self, weight, bias, rows: int, layouts: dict[str, torch.Tensor]) -> dict[str, float]:
+        gen = torch.Generator().manual_seed(rows)
+        x = torch.randn(rows, weight.shape[1], generator=gen).to(weight.dtype)  # (rows, in)
+        calls = {k: partial(KERNELS[k].run, x, w, bias) for k, w in layouts.items()}
+        best = dict.fromkeys(calls, math.inf)
+        spent, samples = 0.0, 0
+        while samples < MIN_SAMPLES or (samples < MAX_SAMPLES and spent < CASE_BUDGET_S):
+            for k, call in calls.items():
+                seconds = self.timer(k, rows, call)
+                best[k] = min(best[k], seconds)
+                spent += seconds
+            samples += 1
+        return best
+
+    @staticmethod
+    def _extra_bytes(weight: torch.Tensor, layouts: dict[str, torch.Tensor], shared: bool) -> int:
+        copies = sum(nbytes(w) for k, w in layouts.items() if k != "linear" or not shared)
+        return copies - (0 if shared else nbytes(weight))
+
+    def finish(self) -> None:
+        """Saves new timings to the cache file and logs the choices and their memory in one line."""
+        if self.timed_cases and self.cache_path is not None:
+            save_times(self.cache_path, self.times)
+        if not self.on_cpu:
+            return
+        if self.kernel != "auto":
+            how = f"forced {self.kernel!r}"
+        elif self.timed_cases:
+            where = f"; cached in {self.cache_path} (delete it to time again)" if self.cache_path else ""
+            how = f"timed {self.timed_cases} (shape, rows) cases in {self.timed_seconds:.1f} s{where}"
+        else:
+            how = f"timings from {self.cache_path}"
+        choices = "; ".join(f"{k}: {v}" for k, v in self.choices.items())
+        logger.info(
+            "linear kernels (%s): %s; kernel layouts cost %.1f MiB beyond one copy of each weight",
+            how,
+            choices,
+            self.extra_bytes / 2**20,
+        )
+
+
+def _shape_key(weight: torch.Tensor) -> str:
+    return f"{str(weight.dtype).removeprefix('torch.')} {weight.shape[0]}x{weight.shape[1]}"

@@ -1,0 +1,231 @@
+"""CPU linear kernels chosen by measurement (model/linear_kernels.py): numerics of each kernel, the choice
+from injected timings, the per-machine cache file, fallbacks, the config field, greedy tokens."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from swiftkv_fast import LLM, SamplingParams
+from swiftkv_fast.config import LINEAR_KERNELS, EngineConfig
+from swiftkv_fast.model import linear_kernels as lk
+from swiftkv_fast.model.layers import Linear
+from swiftkv_reference.testing import fp32_atol, random_state_dict, tiny_config
+
+FORCED = [k for k in LINEAR_KERNELS if k != "auto"]
+
+
+@pytest.fixture
+def log(caplog):
+    caplog.set_level(logging.INFO, logger=lk.logger.name)
+    return caplog
+
+
+def fake_timer(seconds: dict[str, dict[int, float]], calls: list | None = None):
+    """A timer that reports `seconds[kernel][rows]` (and runs nothing)."""
+
+    def timer(kernel, rows, call):
+        if calls is not None:
+            calls.append((kernel, rows))
+        return seconds[kernel][rows]
+
+    return timer
+
+
+def chooser(kernel="auto", buckets=(1, 16, 256), **kw) -> lk.LinearKernelChooser:
+    return lk.LinearKernelChooser(kernel, "cpu", buckets, **kw)
+
+
+def test_config_names_the_kernels():
+    assert set(LINEAR_KERNELS) == {"auto", *lk.KERNELS}
+
+
+@pytest.mark.parametrize("kernel", FORCED)
+@pytest.mark.parametrize("rows", [1, 16, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_each_kernel_matches_f_linear(kernel, rows, with_bias):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 40, generator=g)  # (out, in)
+    b = torch.randn(96, generator=g) if with_bias else None
+    lin = Linear(w, b, lk.KernelChoice.single(kernel, w))
+    assert (lin.in_features, lin.out_features) == (40, 96)
+    # another summation order (oneDNN and MKL block the reduction differently): fp32_atol's bound,
+    # 32 units in the last place of the largest |y| (~30 here), far below any real error
+    for x in (torch.randn(rows, 40, generator=g), torch.randn(rows, 80, generator=g)[:, ::2]):
+        want = F.linear(x, w, b)
+        torch.testing.assert_close(lin(x), want, rtol=0, atol=fp32_atol(want))
+
+
+def test_matmul_layout_is_the_transposed_weight_and_linear_shares_it():
+    w = torch.randn(8, 4)
+    assert lk.KernelChoice.single("linear", w).layouts["linear"] is w
+    w_t = lk.KernelChoice.single("matmul", w).layouts["matmul"]
+    assert w_t.shape == (4, 8) and w_t.is_contiguous() and torch.equal(w_t, w.t())
+
+
+def test_linear_runs_the_kernel_of_each_row_bucket():
+    # two different matrices in the two layouts reveal which kernel ran
+    a, b = torch.randn(6, 4), torch.randn(6, 4)
+    choice = lk.KernelChoice(
+        {"matmul": b.t().contiguous(), "linear": a}, ((2, "matmul"), (sys.maxsize, "linear"))
+    )
+    lin = Linear(a, None, choice)
+    for rows, w in ((1, b), (2, b), (3, a), (5000, a)):
+        x = torch.randn(rows, 4)
+        torch.testing.assert_close(lin(x), x @ w.t())
+
+
+def test_row_buckets_cover_decode_batches_and_the_prefill_chunk():
+    assert lk.row_buckets(256, 4096) == (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
+    assert lk.row_buckets(12, 100) == (1, 2, 4, 8, 12, 48, 100)
+    assert lk.row_buckets(64, 16) == (1, 2, 4, 8, 16)  # a step never has more rows than its budget
+
+
+def test_plan_keeps_one_layout_unless_another_saves_more_than_copy_worth():
+    times = {
+        1: {"linear": 1.0, "matmul": 0.95, "mkldnn": 3.0},
+        16: {"linear": 2.0, "matmul": 5.0, "mkldnn": 1.0},
+    }
+    assert lk.plan_kernels(times) == ((1, "matmul"), (16, "mkldnn"))  # mkldnn 3x slower at 1 row
+    times[1]["mkldnn"] = 0.95 * lk.COPY_WORTH * 0.99  # within COPY_WORTH: one layout serves both buckets
+    assert lk.plan_kernels(times) == ((1, "mkldnn"), (16, "mkldnn"))
+    # a tied lm_head: F.linear reads the embedding, so its layout is free beside one copy
+    assert lk.plan_kernels(times, frozenset({"linear"})) == ((1, "linear"), (16, "mkldnn"))
+
+
+def test_chooser_picks_the_fastest_of_injected_timings_interleaved():
+    seconds = {
+        "linear": {1: 0.1, 16: 0.9, 256: 5.0},
+        "matmul": {1: 0.2, 16: 0.8, 256: 9.0},
+        "mkldnn": {1: 0.3, 16: 0.2, 256: 1.0},
+    }
+    calls: list = []
+    ch = chooser(timer=fake_timer(seconds, calls))
+    w = torch.randn(32, 16)
+    choice = ch.choose("o", w, None, max_rows=256)
+    assert choice.plan == ((1, "linear"), (sys.maxsize, "mkldnn"))
+    assert set(choice.layouts) == {"linear", "mkldnn"}
+    assert calls[:6] == [("linear", 1), ("matmul", 1), ("mkldnn", 1)] * 2  # round by round
+    assert len(calls) == 3 * lk.MIN_SAMPLES * 3  # 3 buckets; each case over its budget after the minimum
+    assert ch.timed_cases == 3
+    # a layer that only runs decode rows is timed at the buckets up to its largest batch
+    assert ch.choose("lm_head", torch.randn(48, 16), None, max_rows=10).plan[-1] == (sys.maxsize, "mkldnn")
+    assert ch.timed_cases == 5  # (48x16, 1) and (48x16, 16): 16 covers 10 rows
+
+
+def test_cache_round_trips_and_skips_the_timing(tmp_path, log):
+    seconds = {k: {1: 1.0, 16: 1.0} for k in lk.KERNELS} | {"matmul": {1: 0.5, 16: 0.1}}
+    first = chooser(buckets=(1, 16), cache_dir=tmp_path, timer=fake_timer(seconds))
+    w = torch.randn(32, 16)
+    want = first.choose("o", w, None, 16).plan
+    first.finish()
+    assert first.cache_path.exists() and first.cache_path.parent == tmp_path
+
+    def no_timing(kernel, rows, call):
+        raise AssertionError("timed although the cache has the case")
+
+    second = chooser(buckets=(1, 16), cache_dir=tmp_path, timer=no_timing)
+    assert second.choose("o", w, None, 16).plan == want == ((sys.maxsize, "matmul"),)
+    second.finish()
+    assert "timings from" in log.records[-1].getMessage()
+
+
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        ("{not json", "corrupt"),
+        (json.dumps({"version": lk.CACHE_VERSION, "machine": {}, "times": {}}), "another machine"),
+        (json.dumps({"version": lk.CACHE_VERSION, "machine": lk.machine_key(), "times": [1]}), "corrupt"),
+    ],
+)
+def test_corrupt_or_foreign_cache_is_ignored_with_a_log_line(tmp_path, log, content, why):
+    path = lk.cache_file(tmp_path)
+    path.write_text(content)
+    seconds = {k: {1: 1.0} for k in lk.KERNELS}
+    ch = chooser(buckets=(1,), cache_dir=tmp_path, timer=fake_timer(seconds))
+    ch.choose("o", torch.randn(8, 4), None, 1)
+    assert ch.timed_cases == 1
+    lines = [r.getMessage() for r in log.records if r.levelno == logging.WARNING]
+    assert len(lines) == 1 and why in lines[0] and str(path) in lines[0]
+    ch.finish()  # rewritten with this machine's timings
+    assert json.loads(path.read_text())["machine"] == lk.machine_key()
+
+
+def broken_mkldnn(monkeypatch):
+    def pack(weight):
+        raise RuntimeError("no oneDNN here")
+
+    monkeypatch.setitem(lk.KERNELS, "mkldnn", lk.LinearKernel("mkldnn", pack, lk.KERNELS["mkldnn"].run))
+
+
+def test_failing_private_op_falls_back_with_one_log_line(monkeypatch, log):
+    broken_mkldnn(monkeypatch)
+    forced = chooser("mkldnn")
+    plans = [forced.choose(name, torch.randn(8, 4), None, 16).plan for name in ("a", "b")]
+    assert plans == [((sys.maxsize, "linear"),)] * 2
+    seconds = {k: {1: 1.0, 16: 1.0} for k in lk.KERNELS}
+    auto = chooser(buckets=(1, 16), timer=fake_timer(seconds))
+    for name in ("a", "b"):
+        assert set(auto.choose(name, torch.randn(8, 4), None, 16).layouts) <= {"linear", "matmul"}
+    warnings = [r.getMessage() for r in log.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2 and all("'mkldnn' failed" in w and "no oneDNN here" in w for w in warnings)
+
+
+def test_a_kernel_that_fails_on_a_cached_choice_is_replaced(tmp_path, monkeypatch, log):
+    seconds = {"linear": {1: 1.0}, "matmul": {1: 2.0}, "mkldnn": {1: 0.1}}
+    first = chooser(buckets=(1,), cache_dir=tmp_path, timer=fake_timer(seconds))
+    first.choose("o", torch.randn(8, 4), None, 1)
+    first.finish()
+    broken_mkldnn(monkeypatch)
+    second = chooser(buckets=(1,), cache_dir=tmp_path)
+    assert second.choose("o", torch.randn(8, 4), None, 1).plan == ((sys.maxsize, "linear"),)
+
+
+def test_memory_beyond_one_copy_is_counted():
+    w = torch.randn(64, 32)
+    ch = chooser("matmul")
+    ch.choose("o", w, None, 16)
+    assert ch.extra_bytes == 0  # the transposed copy replaces the checkpoint layout
+    ch.choose("lm_head", w, None, 16, shared=True)
+    assert ch.extra_bytes == w.numel() * 4  # the embedding stays: the copy is extra
+    assert chooser("linear").choose("lm_head", w, None, 16, shared=True).layouts["linear"] is w
+
+
+def test_other_devices_run_f_linear_untimed():
+    def no_timing(kernel, rows, call):
+        raise AssertionError("timed on a non-CPU device")
+
+    ch = lk.LinearKernelChooser("auto", "meta", (1, 16), timer=no_timing)
+    assert ch.choose("o", torch.randn(8, 4), None, 16).plan == ((sys.maxsize, "linear"),)
+
+
+def test_bad_linear_kernel_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match="linear_kernel"):
+        EngineConfig(linear_kernel="fastest", device="cpu")
+    with pytest.raises(ValueError, match="linear_kernel"):
+        lk.LinearKernelChooser("fastest", "cpu", (1,))
+
+
+@pytest.mark.parametrize(
+    "model", [dict(num_hidden_layers=3, tie_word_embeddings=True), dict(num_hidden_layers=4)]
+)
+def test_greedy_tokens_do_not_depend_on_the_kernel(model):
+    config = tiny_config(**model)
+    state = random_state_dict(config)
+    prompts = [[5, 6, 7, 8, 9] * 3, [11, 12, 13]]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    got = {}
+    for kernel in FORCED:
+        llm = LLM.from_state_dict(
+            config, state, linear_kernel=kernel, num_key_value_layers=2, max_model_len=64
+        )
+        got[kernel] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        lm_head = llm.llm_engine.runner.model.w.lm_head
+        assert lm_head.plan == ((sys.maxsize, kernel),)
+        if kernel == "linear" and config.tie_word_embeddings:  # the tied lm_head reads the embedding
+            assert lm_head.layouts["linear"].data_ptr() == llm.llm_engine.runner.model.w.embed.data_ptr()
+    assert got["matmul"] == got["linear"] == got["mkldnn"]

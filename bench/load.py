@@ -20,9 +20,10 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
+if TYPE_CHECKING:  # imported where used: `python -m bench demo` lists this module without httpx
+    import httpx
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,8 @@ async def send_chat(
     client: httpx.AsyncClient, url: str, request: ChatRequest, extra_body: dict[str, Any]
 ) -> RequestResult:
     """POST one streamed chat completion to `url` (.../v1/chat/completions) and time its chunks."""
+    import httpx
+
     body = {
         "messages": request.messages,
         "max_tokens": request.max_tokens,
@@ -149,6 +152,8 @@ async def run_load(
     url = f"{base_url.rstrip('/')}/v1/chat/completions"
     results: list[RequestResult | None] = [None] * len(requests)
     pending = iter(range(len(requests)))
+    import httpx
+
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     timeout = httpx.Timeout(request_timeout)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:

@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 ADDRESS = re.compile(r" on (http://127\.0\.0\.1:\d+)")  # swiftkv's and uvicorn's start-up line
 READY_TIMEOUT = 300.0
 STOP_TIMEOUT = 15.0
@@ -115,6 +113,8 @@ class ServerProcess:
 
     def wait_ready(self, timeout: float = READY_TIMEOUT) -> str:
         """The base URL once /health answers 200."""
+        import httpx  # only the serve benchmark needs it
+
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

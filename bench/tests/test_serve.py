@@ -236,3 +236,14 @@ def test_bad_settings_are_refused_before_any_server_starts(monkeypatch):
         serve.run(build_parser().parse_args(["serve", "--systems", "swiftkv-off,vllm"]))
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--concurrency", "4,0"])
+
+
+def test_bench_cli_builds_without_httpx():
+    """`python -m bench demo`, the main job, lists every benchmark but must not need serve's httpx."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = "import sys; sys.modules['httpx'] = None; from bench.__main__ import build_parser; build_parser()"
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, timeout=120)

@@ -6,9 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 
-from swiftkv_fast.engine.async_llm import EngineDeadError, RequestFailedError
 from swiftkv_fast.entrypoints.errors import APIError, bad_request
 from swiftkv_fast.entrypoints.protocol import (
     ChatCompletionLogProb,
@@ -21,16 +19,12 @@ from swiftkv_fast.entrypoints.protocol import (
     ChatCompletionStreamResponse,
     ChatResponseMessage,
     DeltaMessage,
+    UsageInfo,
 )
 from swiftkv_fast.entrypoints.serving_engine import (
     MAX_LOGPROBS,
     MIN_LOGPROB,
-    SSE_DONE,
-    Choice,
     OpenAIServing,
-    engine_error,
-    sse,
-    sse_error,
 )
 from swiftkv_fast.outputs import RequestOutput
 
@@ -132,7 +126,7 @@ class OpenAIServingChat(OpenAIServing):
             usage=self.usage(choices, len(params)),
         )
 
-    async def _stream(
+    def _stream(
         self,
         outputs: AsyncIterator[tuple[int, RequestOutput]],
         request_id: str,
@@ -143,50 +137,50 @@ class OpenAIServingChat(OpenAIServing):
         as_ids: bool,
         include_usage: bool,
     ) -> AsyncIterator[str]:
-        choices = [Choice() for _ in range(n)]
         extra = {"usage": None} if include_usage else {}
 
-        def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
-            return sse(
-                ChatCompletionStreamResponse(
-                    id=request_id, created=created, model=model, choices=[choice], **extra
-                )
+        def response(choice: ChatCompletionResponseStreamChoice) -> ChatCompletionStreamResponse:
+            return ChatCompletionStreamResponse(
+                id=request_id, created=created, model=model, choices=[choice], **extra
             )
 
-        try:
-            async with aclosing(outputs):
-                for i in range(n):  # OpenAI's first chunk of each choice: the role
-                    yield chunk(
-                        ChatCompletionResponseStreamChoice(
-                            index=i,
-                            delta=DeltaMessage(role="assistant", content=""),
-                            logprobs=None,
-                            finish_reason=None,
-                        )
-                    )
-                async for i, out in outputs:
-                    choices[i].add(out)
-                    c = out.outputs[0]
-                    if not (c.text or out.finished or num_logprobs is not None):
-                        continue
-                    choice = ChatCompletionResponseStreamChoice(
-                        index=i,
-                        delta=DeltaMessage(content=c.text) if c.text else DeltaMessage(),
-                        logprobs=self._logprobs(c.token_ids, c.logprobs, num_logprobs, as_ids),
-                        finish_reason=c.finish_reason if out.finished else None,
-                    )
-                    if out.finished:
-                        choice.stop_reason = c.stop_reason
-                    yield chunk(choice)
-            if include_usage:
-                yield sse(
-                    ChatCompletionStreamResponse(
-                        id=request_id, created=created, model=model, choices=[], usage=self.usage(choices, n)
-                    )
+        def chunk(i: int, out: RequestOutput, offset: int) -> ChatCompletionStreamResponse:
+            c = out.outputs[0]
+            choice = ChatCompletionResponseStreamChoice(
+                index=i,
+                delta=DeltaMessage(content=c.text) if c.text else DeltaMessage(),
+                logprobs=self._logprobs(c.token_ids, c.logprobs, num_logprobs, as_ids),
+                finish_reason=c.finish_reason if out.finished else None,
+            )
+            if out.finished:
+                choice.stop_reason = c.stop_reason
+            return response(choice)
+
+        def usage_chunk(usage: UsageInfo) -> ChatCompletionStreamResponse:
+            return ChatCompletionStreamResponse(
+                id=request_id, created=created, model=model, choices=[], usage=usage
+            )
+
+        roles = [  # OpenAI's first chunk of each choice: the role
+            response(
+                ChatCompletionResponseStreamChoice(
+                    index=i,
+                    delta=DeltaMessage(role="assistant", content=""),
+                    logprobs=None,
+                    finish_reason=None,
                 )
-        except (RequestFailedError, EngineDeadError) as e:
-            yield sse_error(engine_error(e))
-        yield SSE_DONE
+            )
+            for i in range(n)
+        ]
+        return self.stream(
+            outputs,
+            n,
+            n,
+            chunk,
+            usage_chunk if include_usage else None,
+            first=roles,
+            keep_empty=num_logprobs is not None,
+        )
 
     def _logprobs(
         self, token_ids: list[int], entries: list[dict[int, float]] | None, n: int | None, as_ids: bool

@@ -6,9 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 
-from swiftkv_fast.engine.async_llm import EngineDeadError, RequestFailedError
 from swiftkv_fast.entrypoints.errors import bad_request
 from swiftkv_fast.entrypoints.protocol import (
     CompletionLogProbs,
@@ -16,16 +14,12 @@ from swiftkv_fast.entrypoints.protocol import (
     CompletionResponse,
     CompletionResponseChoice,
     CompletionStreamResponse,
+    UsageInfo,
 )
 from swiftkv_fast.entrypoints.serving_engine import (
     MAX_LOGPROBS,
     MIN_LOGPROB,
-    SSE_DONE,
-    Choice,
     OpenAIServing,
-    engine_error,
-    sse,
-    sse_error,
 )
 from swiftkv_fast.outputs import RequestOutput
 
@@ -96,7 +90,7 @@ class OpenAIServingCompletion(OpenAIServing):
             usage=self.usage(choices, len(params)),
         )
 
-    async def _stream(
+    def _stream(
         self,
         outputs: AsyncIterator[tuple[int, RequestOutput]],
         request_id: str,
@@ -108,37 +102,35 @@ class OpenAIServingCompletion(OpenAIServing):
         as_ids: bool,
         include_usage: bool,
     ) -> AsyncIterator[str]:
-        choices = [Choice() for _ in range(num_choices)]
         extra = {"usage": None} if include_usage else {}
-        try:
-            async with aclosing(outputs):
-                async for i, out in outputs:
-                    offset = len(choices[i].text)
-                    choices[i].add(out)
-                    c = out.outputs[0]
-                    if not (c.text or out.finished or num_logprobs is not None):
-                        continue
-                    choice = CompletionResponseChoice(
-                        index=i,
-                        text=c.text,
-                        logprobs=self._logprobs(c.token_ids, c.logprobs, num_logprobs, offset, as_ids),
-                        finish_reason=c.finish_reason if out.finished else None,
-                    )
-                    if out.finished:
-                        choice.stop_reason = c.stop_reason
-                    chunk = CompletionStreamResponse(
-                        id=request_id, created=created, model=model, choices=[choice], **extra
-                    )
-                    yield sse(chunk)
-            if include_usage:
-                yield sse(
-                    CompletionStreamResponse(
-                        id=request_id, created=created, model=model, choices=[], usage=self.usage(choices, n)
-                    )
-                )
-        except (RequestFailedError, EngineDeadError) as e:
-            yield sse_error(engine_error(e))
-        yield SSE_DONE
+
+        def chunk(i: int, out: RequestOutput, offset: int) -> CompletionStreamResponse:
+            c = out.outputs[0]
+            choice = CompletionResponseChoice(
+                index=i,
+                text=c.text,
+                logprobs=self._logprobs(c.token_ids, c.logprobs, num_logprobs, offset, as_ids),
+                finish_reason=c.finish_reason if out.finished else None,
+            )
+            if out.finished:
+                choice.stop_reason = c.stop_reason
+            return CompletionStreamResponse(
+                id=request_id, created=created, model=model, choices=[choice], **extra
+            )
+
+        def usage_chunk(usage: UsageInfo) -> CompletionStreamResponse:
+            return CompletionStreamResponse(
+                id=request_id, created=created, model=model, choices=[], usage=usage
+            )
+
+        return self.stream(
+            outputs,
+            num_choices,
+            n,
+            chunk,
+            usage_chunk if include_usage else None,
+            keep_empty=num_logprobs is not None,
+        )
 
     def _logprobs(
         self,

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from swiftkv_fast.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
@@ -197,6 +198,36 @@ class OpenAIServing:
         except (RequestFailedError, EngineDeadError) as e:
             raise engine_error(e) from None
         return choices
+
+    async def stream(
+        self,
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
+        num_choices: int,
+        n: int,
+        chunk: Callable[[int, RequestOutput, int], object],
+        usage_chunk: Callable[[UsageInfo], object] | None,
+        first: Sequence[object] = (),
+        keep_empty: bool = False,
+    ) -> AsyncIterator[str]:
+        """The SSE events of one request: `first`, then chunk(choice index, output, the choice's text
+        length before it) for each output that has text or finishes (every output with keep_empty),
+        then usage_chunk(usage) if given, then [DONE]. An engine failure ends it with an error event;
+        closing it closes `outputs` (which aborts the unfinished requests)."""
+        choices = [Choice() for _ in range(num_choices)]
+        try:
+            async with aclosing(outputs):
+                for event in first:
+                    yield sse(event)
+                async for i, out in outputs:
+                    offset = len(choices[i].text)
+                    choices[i].add(out)
+                    if out.outputs[0].text or out.finished or keep_empty:
+                        yield sse(chunk(i, out, offset))
+            if usage_chunk is not None:
+                yield sse(usage_chunk(self.usage(choices, n)))
+        except (RequestFailedError, EngineDeadError) as e:
+            yield sse_error(engine_error(e))
+        yield SSE_DONE
 
     def usage(self, choices: list[Choice], n: int) -> UsageInfo:
         """Prompt tokens once per prompt (choice 0 of each: its cached tokens), completion tokens of all."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import pytest
@@ -92,3 +93,12 @@ def tiny():
         return cache[key]
 
     return build
+
+
+async def wait_until(timeout: float, predicate) -> None:
+    """Poll `predicate` every 10 ms on the running event loop; AssertionError after `timeout` s."""
+    for _ in range(int(timeout * 100)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 from char_tokenizer import CharTokenizer
-from conftest import random_prompts
+from conftest import random_prompts, wait_until
 from swiftkv_fast import LLM, SamplingParams
 from swiftkv_fast.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from swiftkv_fast.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
@@ -55,14 +55,6 @@ async def collect(engine: AsyncLLM, prompt, params: SamplingParams, request_id: 
         ids += out.outputs[0].token_ids
         last = out
     return deltas, ids, "".join(deltas), last.outputs[0].finish_reason
-
-
-async def wait_until(predicate) -> None:
-    for _ in range(TIMEOUT * 100):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached")
 
 
 def test_streams_add_up_to_llm_generate(make_llm, make_engine):
@@ -116,7 +108,7 @@ def test_abort_frees_blocks_before_the_next_step_and_spares_the_others(make_llm,
         tail = [out async for out in aborted]
         assert tail and tail[-1].finished and tail[-1].outputs[0].finish_reason == "abort"
         await closed.aclose()  # a client that went away
-        await wait_until(lambda: "closed" not in kv)
+        await wait_until(TIMEOUT, lambda: "closed" not in kv)
         return await other
 
     _, ids, _, reason = run(main())
@@ -188,7 +180,7 @@ def test_dead_engine_says_so_and_refuses_requests(make_engine, monkeypatch):
 
     async def main():
         pending = asyncio.ensure_future(collect(engine, [5, 6, 7], params, "a"))
-        await wait_until(entered.is_set)
+        await wait_until(TIMEOUT, entered.is_set)
         assert engine.is_healthy
         release.set()
         with pytest.raises(EngineDeadError):

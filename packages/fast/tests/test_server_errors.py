@@ -13,6 +13,7 @@ import threading
 import httpx
 import openai
 import pytest
+from conftest import wait_until
 from server_process import save_tiny_checkpoint, start_server
 from swiftkv_fast import LLM
 from swiftkv_fast.cli import main
@@ -206,14 +207,6 @@ def app_engine(tiny):
     engine.shutdown(timeout=TIMEOUT)
 
 
-async def wait_until(predicate) -> None:
-    for _ in range(TIMEOUT * 100):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached")
-
-
 def test_max_waiting_refuses_with_503_and_retry_after(app_engine, monkeypatch):
     """The engine is held inside the first request's step: the next two wait; with --max-waiting 2
     the fourth is refused at once, then all three are served and new requests are accepted again."""
@@ -233,9 +226,9 @@ def test_max_waiting_refuses_with_503_and_retry_after(app_engine, monkeypatch):
     async def main():
         async with make_client(max_waiting=2) as client:
             first = asyncio.ensure_future(client.post("/v1/completions", json=body))
-            await wait_until(entered.is_set)
+            await wait_until(TIMEOUT, entered.is_set)
             queued = [asyncio.ensure_future(client.post("/v1/completions", json=body)) for _ in range(2)]
-            await wait_until(lambda: engine.num_waiting == 2)
+            await wait_until(TIMEOUT, lambda: engine.num_waiting == 2)
             refused = await client.post("/v1/completions", json=body)
             release.set()
             served = await asyncio.gather(first, *queued)

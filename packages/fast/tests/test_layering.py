@@ -1,6 +1,6 @@
-"""Inside swiftkv_fast imports only go down: engine -> worker -> model -> attention / kernels, and the
-shared top-level modules (config, sampler, ...) import none of those four layers but attention and
-kernels. One module, model/loader.py, imports swiftkv_reference. Imports under `if TYPE_CHECKING:` are
+"""Inside swiftkv_fast imports only go down: engine -> executor -> worker -> model -> attention / kernels /
+distributed, and the shared top-level modules (config, sampler, ...) import none of those layers but the
+bottom ones. One module, model/loader.py, imports swiftkv_reference. Imports under `if TYPE_CHECKING:` are
 annotations only and do not count."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import swiftkv_fast
 
 ROOT = Path(swiftkv_fast.__file__).parent
-LAYERS = {"engine": 3, "worker": 2, "model": 1, "attention": 0, "kernels": 0}
+LAYERS = {"engine": 4, "executor": 3, "worker": 2, "model": 1, "attention": 0, "kernels": 0, "distributed": 0}
 SHARED = {"config", "logger", "outputs", "sampler", "sampling_params", "scheduler_output"}
 REFERENCE_IMPORTER = "model/loader.py"
 

@@ -120,6 +120,18 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         choices=list(LINEAR_KERNELS),
         help="CPU GEMM kernel of the linear layers: auto times them once per machine (cached)",
     )
+    e.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=default["tensor_parallel_size"],
+        help="split the model over this many ranks (processes; one GPU each on CUDA, gloo on CPU)",
+    )
+    e.add_argument(
+        "--distributed-init-method",
+        default=default["distributed_init_method"],
+        help="tcp://HOST:PORT that rank 0 serves for the other ranks (default: a free port on 127.0.0.1)",
+    )
 
 
 def _engine_kwargs(args) -> dict:
@@ -136,6 +148,8 @@ def _engine_kwargs(args) -> dict:
         kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=not args.no_prefix_caching,
         linear_kernel=args.linear_kernel,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_init_method=args.distributed_init_method,
     )
 
 

@@ -9,6 +9,7 @@ import torch
 
 from swiftkv_fast.attention import BACKENDS
 from swiftkv_fast.attention.flash_backend import validate_block_size
+from swiftkv_fast.distributed.parallel_state import parse_init_method
 from swiftkv_fast.kernels._common import interpreting
 
 DTYPES = {
@@ -43,11 +44,13 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs for the second half (CPU is always eager)
     return_logits: bool = False  # keep the fp32 logits row of every sampled token on the output
     linear_kernel: str = "auto"  # CPU GEMM kernel (LINEAR_KERNELS): auto is timed once per machine, cached
+    tensor_parallel_size: int = 1  # ranks the model is split over (rank 0 here, the others spawned)
+    distributed_init_method: str | None = None  # tcp://HOST:PORT rank 0 serves; None: a free local port
 
     def __post_init__(self) -> None:
         """Every check that needs no checkpoint: a bad value is a ValueError (a wrong type a TypeError)
         naming the field, before any weight is read or memory allocated."""
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -78,6 +81,7 @@ class EngineConfig:
         self._check_dtype()
         self._check_backend()
         self._check_linear_kernel()
+        self._check_tensor_parallel()
         if self.kv_cache_memory is not None:
             self.check_kv_cache_fits(self.kv_cache_memory, "kv_cache_memory")
         if self.model is not None:
@@ -138,6 +142,26 @@ class EngineConfig:
                 f"linear_kernel={self.linear_kernel!r} is a CPU kernel; on device={self.device!r} every "
                 "linear layer runs F.linear: use 'auto' or 'linear'"
             )
+
+    def _check_tensor_parallel(self) -> None:
+        if self.distributed_init_method is not None:
+            if not isinstance(self.distributed_init_method, str):
+                got = self.distributed_init_method
+                raise TypeError(f"distributed_init_method must be 'tcp://HOST:PORT' or None, got {got!r}")
+            parse_init_method(self.distributed_init_method)
+        dev = torch.device(self.device)
+        if self.tensor_parallel_size > 1 and dev.type == "cuda":
+            count = torch.cuda.device_count()
+            if self.tensor_parallel_size > count:
+                raise ValueError(
+                    f"tensor_parallel_size={self.tensor_parallel_size} needs that many CUDA devices (one per "
+                    f"rank), this machine has {count}"
+                )
+            if dev.index not in (None, 0):
+                raise ValueError(
+                    "with tensor_parallel_size > 1, rank r runs on cuda:r: use device='cuda', "
+                    f"got {self.device!r}"
+                )
 
     def check_kv_cache_fits(self, num_bytes: int, what: str) -> None:
         """ValueError unless `num_bytes` of KV cache fit in the device's memory (CUDA: its total memory,

@@ -5,6 +5,7 @@
     llm = LLM.from_state_dict(config, state_dict) # in memory (tests, conformance)
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
     outs = llm.generate([[1, 2, 3]])              # token-id prompts need no tokenizer
+    llm = LLM(tensor_parallel_size=2)             # the model split over 2 processes (2 GPUs on CUDA)
 
 `LLM(..., return_logits=True)` keeps the fp32 logits row of every sampled token on
 `outputs[0].logits` (num_tokens, vocab): the conformance suite compares them with the reference.
@@ -53,7 +54,7 @@ class LLM:
         )
         if tokenizer is None:
             tokenizer = _try_load_tokenizer(model_dir)
-        self._start(econf, config, state_dict, tokenizer)
+        self._start(econf, config, state_dict, tokenizer, str(model_dir))
 
     @classmethod
     def from_state_dict(cls, config, state_dict, tokenizer=None, **kwargs) -> LLM:
@@ -66,8 +67,8 @@ class LLM:
         self._start(econf, config, state_dict, tokenizer)
         return self
 
-    def _start(self, econf: EngineConfig, config, state_dict, tokenizer) -> None:
-        self.llm_engine = LLMEngine(econf, config, state_dict, tokenizer)
+    def _start(self, econf: EngineConfig, config, state_dict, tokenizer, checkpoint_dir=None) -> None:
+        self.llm_engine = LLMEngine(econf, config, state_dict, tokenizer, checkpoint_dir)
         self._busy = threading.Lock()  # held by the one generate/chat call in progress
 
     @property
@@ -77,6 +78,11 @@ class LLM:
     @property
     def config(self):
         return self.llm_engine.config
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes now (also done when the LLM is collected or the
+        interpreter exits). The LLM cannot generate afterwards."""
+        self.llm_engine.shutdown()
 
     def get_stats(self) -> dict[str, int | float | bool | None]:
         """Engine counters: ``cuda_graph_replays``, ``eager_second_half_steps``, ``cuda_graph_enabled``,

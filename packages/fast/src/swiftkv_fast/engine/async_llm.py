@@ -225,6 +225,7 @@ class AsyncLLM:
             self._shutdown = True
             self._cond.notify()
         self._thread.join(timeout)
+        self.engine.shutdown()
 
     # ---- the engine thread -------------------------------------------------------------------------
 
@@ -244,6 +245,8 @@ class AsyncLLM:
                     outputs += self._step(iteration)
                 self._record(iteration)  # first: a client that got its output sees it in the metrics
                 self._deliver(outputs)
+                if self.engine.dead_error is not None:  # a tensor-parallel rank died: no step can run
+                    raise self.engine.dead_error
         except BaseException as e:  # a bug in the loop itself: the engine cannot go on
             logger.exception("the engine loop died")
             self._die(e, errored=True)

@@ -1,31 +1,47 @@
-"""The engine: scheduler + cache manager + model runner, one `step()` at a time. The runner owns the
-weights, the KV cache and the CUDA graphs; the engine wires it to the scheduler and the cache manager."""
+"""The engine: scheduler + cache manager + executor, one `step()` at a time. The executor runs the model
+(one ModelRunner here, or one per tensor-parallel rank: executor/); the runner owns the weights, the KV
+cache and the CUDA graphs; the engine wires it to the scheduler and the cache manager."""
 
 from __future__ import annotations
 
 import random
 import time
+from contextlib import nullcontext
 
 import torch
 from kvcache import KVCacheManager
 
 from swiftkv_fast.config import EngineConfig
+from swiftkv_fast.engine.interrupts import deferred_interrupts
 from swiftkv_fast.engine.request import Request
 from swiftkv_fast.engine.scheduler import Scheduler
 from swiftkv_fast.engine.stats import SchedulerStats
+from swiftkv_fast.executor.executor import make_executor
 from swiftkv_fast.logger import init_logger
 from swiftkv_fast.model.kv_cache_layout import KVCacheLayout
+from swiftkv_fast.model.tp_sharding import TensorParallelShard
 from swiftkv_fast.sampling_params import SamplingParams
 from swiftkv_fast.scheduler_output import SchedulerOutput
 from swiftkv_fast.worker.kv_cache import log_kv_cache
-from swiftkv_fast.worker.model_runner import ModelRunner, ModelRunnerOutput
+from swiftkv_fast.worker.model_runner import ModelRunnerOutput
 
 logger = init_logger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, econf: EngineConfig, config, state_dict: dict[str, torch.Tensor], tokenizer=None):
-        layout = KVCacheLayout.from_config(config, econf.block_size, econf.dtype)
+    def __init__(
+        self,
+        econf: EngineConfig,
+        config,
+        state_dict: dict[str, torch.Tensor],
+        tokenizer=None,
+        checkpoint_dir: str | None = None,
+    ):
+        """`checkpoint_dir`: the directory `state_dict` was read from; tensor-parallel workers read
+        their shards there (None: rank 0 sends them their shards)."""
+        # refuses a tensor_parallel_size the model's dimensions cannot be split by, naming them
+        shard = TensorParallelShard.of(config, 0, econf.tensor_parallel_size)
+        layout = KVCacheLayout.from_config(config, econf.block_size, econf.dtype, shard.num_kv_heads)
         if econf.num_kv_blocks is not None:  # the model fixes a block's size: checked before allocating
             what = f"num_kv_blocks={econf.num_kv_blocks} ({layout.bytes_per_block} bytes each)"
             econf.check_kv_cache_fits(econf.num_kv_blocks * layout.bytes_per_block, what)
@@ -37,7 +53,8 @@ class LLMEngine:
                 f"{config.max_position_embeddings}"
             )
         self.econf, self.config, self.tokenizer = econf, config, tokenizer
-        self.runner = ModelRunner(config, econf, layout, state_dict)
+        self.executor = make_executor(config, econf, layout, state_dict, checkpoint_dir)
+        self.runner = self.executor.runner  # rank 0's
         self.kv_manager = KVCacheManager(
             groups=layout.specs,
             num_blocks=self.runner.num_blocks,
@@ -56,7 +73,8 @@ class LLMEngine:
         self._counter = 0
         self._reported_preemptions = 0  # num_preemptions at the previous make_scheduler_stats
         logger.info(
-            "engine: %s, N=%d, L=%d, G=%d, %s on %s, attention backend %s, %d kvcache group(s)",
+            "engine: %s, N=%d, L=%d, G=%d, %s on %s, attention backend %s, %d kvcache group(s), "
+            "tensor parallel size %d",
             config.model_type,
             config.num_hidden_layers,
             config.num_key_value_layers,
@@ -65,10 +83,25 @@ class LLMEngine:
             econf.device,
             self.runner.backend.name,
             layout.num_groups,
+            econf.tensor_parallel_size,
         )
         log_kv_cache(
-            config, layout, self.runner.num_blocks, econf.max_model_len, self.runner.blocks_per_request
+            config,
+            layout,
+            self.runner.num_blocks,
+            econf.max_model_len,
+            self.runner.blocks_per_request,
+            econf.tensor_parallel_size,
         )
+
+    @property
+    def dead_error(self) -> Exception | None:
+        """Why the engine cannot run another step (a tensor-parallel rank died); None while it can."""
+        return self.executor.dead_error
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (idempotent; also done when the engine is collected)."""
+        self.executor.shutdown()
 
     def detokenize(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -105,14 +138,21 @@ class LLMEngine:
         If it raises (any exception, or Ctrl-C anywhere in it), the requests it scheduled are
         aborted and the blocks it registered in the prefix cache are uncached first (their K/V may
         not be written): later requests only ever hit K/V that a completed step wrote. Requests it
-        did not schedule are untouched. See docs/failure-model.md."""
+        did not schedule are untouched. See docs/failure-model.md.
+
+        Under tensor parallelism a Ctrl-C is held until the step's model run ends (every rank finishes
+        the step; then it is raised and undoes the step as above). A rank that dies ends the engine:
+        this and every later step raise WorkerDiedError (`dead_error`)."""
+        if self.dead_error is not None:
+            raise self.dead_error
         out = self.scheduler.schedule()
         if out.is_empty:
             raise RuntimeError(
                 "no request could be scheduled: the KV cache is too small for the waiting request"
             )
         try:
-            res = self.runner.execute(out)
+            with deferred_interrupts() if self.econf.tensor_parallel_size > 1 else nullcontext():
+                res = self.executor.execute(out)
             return self._process_output(out, res)
         except BaseException:
             # an exception or Ctrl-C in the model, the sampler or the output processing: the step's

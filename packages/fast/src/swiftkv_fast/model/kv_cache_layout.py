@@ -51,8 +51,11 @@ class KVCacheLayout:
         object.__setattr__(self, "num_kv_slots", max(slots) + 1)
 
     @classmethod
-    def from_config(cls, config, block_size: int, dtype: torch.dtype) -> KVCacheLayout:
-        """One kvcache group per attention type (window) among the cache layers, in order of appearance."""
+    def from_config(
+        cls, config, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None
+    ) -> KVCacheLayout:
+        """One kvcache group per attention type (window) among the cache layers, in order of appearance.
+        `num_kv_heads`: the K/V heads one rank holds under tensor parallelism (default: the model's)."""
         windows = [config.cache_window(c) for c in range(config.num_cache_layers)]
         keys = list(dict.fromkeys(windows))
         full = FullAttentionSpec(block_size)
@@ -60,7 +63,7 @@ class KVCacheLayout:
         return cls(
             specs=tuple(specs),
             group_of_cache_layer=tuple(keys.index(w) for w in windows),
-            num_kv_heads=config.num_key_value_heads,
+            num_kv_heads=num_kv_heads if num_kv_heads is not None else config.num_key_value_heads,
             head_dim=config.head_dim,
             dtype=dtype,
         )

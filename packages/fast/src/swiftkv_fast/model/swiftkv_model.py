@@ -11,6 +11,11 @@ group), which is what a CUDA graph captures (worker/cuda_graph.py). L == N is th
 qkv, gate_up, and the k/v_proj_swiftkv of all group leaders in one matrix. Cache layer c lives in
 physical KV slot `self.kv_slot[c]` of the engine's tensor (model/kv_cache_layout.py: the i-th cache
 layer of each kvcache group is slot i; a hybrid model's groups share slots, never block ids).
+
+Under tensor parallelism (model/tp_sharding.py) the weights are one rank's shard: `num_heads` and
+`num_kv_heads` are the rank's, o_proj and down_proj outputs are summed over the ranks (`tp.all_reduce`),
+the embedding is looked up in the rank's vocab rows and summed, and lm_head's vocab columns are
+gathered, so every rank ends with the same hidden states and logits.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from swiftkv_fast.attention.base import AttentionBackend
+from swiftkv_fast.distributed.parallel_state import SINGLE, TensorParallelGroup
 from swiftkv_fast.model.kv_cache_layout import KVCacheLayout
 from swiftkv_fast.model.layers import Linear, RotaryTable, apply_rope, rms_norm, silu_and_mul
 from swiftkv_fast.model.model_input import ModelInput
@@ -41,7 +47,7 @@ class LayerWeights:
 
 @dataclass
 class ModelWeights:
-    embed: torch.Tensor  # (vocab, hidden)
+    embed: torch.Tensor  # (vocab, hidden): the rank's vocab rows under tensor parallelism
     norm: torch.Tensor  # (hidden,)
     lm_head: Linear  # hidden -> vocab (tied: over the embedding's storage where its kernel allows)
     layers: list[LayerWeights]
@@ -63,8 +69,11 @@ class SwiftKVModel:
         rotary: RotaryTable,
         layout: KVCacheLayout,
         backend: AttentionBackend,
+        tp: TensorParallelGroup = SINGLE,
+        vocab_start: int = 0,
     ):
         self.w = weights
+        self.tp, self.vocab_start = tp, vocab_start
         self.L = num_key_value_layers
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.eps = eps
@@ -78,7 +87,16 @@ class SwiftKVModel:
 
     def _mlp(self, h: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
         x = rms_norm(h, lw.post_norm, self.eps)
-        return h.add_(lw.down(silu_and_mul(lw.gate_up(x))))
+        return h.add_(self.tp.all_reduce(lw.down(silu_and_mul(lw.gate_up(x)))))
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # (T,) -> (T, hidden); a rank looks up the ids of its vocab rows, zeros elsewhere, then the sum
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.w.embed)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.w.embed.shape[0])
+        h = F.embedding(local.masked_fill(outside, 0), self.w.embed)
+        return self.tp.all_reduce(h.masked_fill_(outside[:, None], 0))
 
     @torch.inference_mode()
     def first_half(self, inp: ModelInput, kv_cache: torch.Tensor) -> torch.Tensor | None:
@@ -87,7 +105,7 @@ class SwiftKVModel:
         head_dim), cache layer c at slot kv_slot[c]. Returns the hidden states (S, hidden) of the
         sampled tokens, None if there are none."""
         nh, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        h = F.embedding(inp.input_ids, self.w.embed)  # (T, hidden)
+        h = self._embed(inp.input_ids)  # (T, hidden)
         cos, sin = self.rotary.lookup(inp.positions)  # (T, 1, hd)
         for lw in self.w.layers[: self.L]:
             grp = inp.groups[lw.group]
@@ -100,7 +118,7 @@ class SwiftKVModel:
             p = self.kv_slot[lw.cache_layer]
             self.backend.write_kv(kv_cache[p : p + 1], k[:, None], v.view(-1, 1, kvh, hd), grp.slot_mapping)
             o = self.backend.prefill(q, kv_cache[p, 0], kv_cache[p, 1], grp.meta, lw.window, self.scale)
-            h = h.add_(lw.o(o.flatten(1)))
+            h = h.add_(self.tp.all_reduce(lw.o(o.flatten(1))))
             h = self._mlp(h, lw)
         if self.w.kv_swiftkv is not None:
             s = rms_norm(h, self.w.norm_swiftkv, self.eps)
@@ -149,7 +167,7 @@ class SwiftKVModel:
                 lw.window,
                 self.scale,
             )
-            h = h + lw.o(o.flatten(1))
+            h = h + self.tp.all_reduce(lw.o(o.flatten(1)))
             h = self._mlp(h, lw)
         h = rms_norm(h, self.w.norm, self.eps)
-        return self.w.lm_head(h).float()  # (S, vocab)
+        return self.tp.all_gather(self.w.lm_head(h).float())  # (S, vocab)

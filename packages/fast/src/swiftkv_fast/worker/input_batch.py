@@ -3,6 +3,8 @@ offsets as tensors."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -16,15 +18,21 @@ def pad_block_tables(tables: list[list[int]]) -> torch.Tensor:
     return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
 
 
-def build_model_input(
-    token_ids: list[int],
-    starts: list[int],
-    num_scheduled: list[int],
-    sampled: list[bool],
-    block_tables: list[list[list[int]]],  # [group][request] -> block ids
-    block_size: int,
-    device: torch.device,
-) -> ModelInput:
+@dataclass
+class StepInput:
+    """What every rank needs of one step, as plain lists (rank 0 sends it to the tensor-parallel
+    workers): the scheduled tokens, where each request starts, and the block tables."""
+
+    token_ids: list[int]  # the scheduled tokens of every request, concatenated
+    starts: list[int]  # per request: tokens already in the cache
+    num_scheduled: list[int]  # per request: tokens scheduled this step
+    sampled: list[bool]  # per request: its last scheduled token is sampled
+    block_tables: list[list[list[int]]]  # [group][request] -> block ids
+
+
+def build_model_input(step: StepInput, block_size: int, device: torch.device) -> ModelInput:
+    token_ids, starts, num_scheduled = step.token_ids, step.starts, step.num_scheduled
+    sampled, block_tables = step.sampled, step.block_tables
     starts_t = torch.tensor(starts, dtype=torch.int64)
     q_lens = torch.tensor(num_scheduled, dtype=torch.int64)
     num_reqs = len(starts)

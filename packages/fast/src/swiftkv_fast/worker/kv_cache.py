@@ -47,7 +47,18 @@ def allocate_kv_cache(layout: KVCacheLayout, num_blocks: int, device) -> torch.T
     return torch.zeros(layout.kv_cache_shape(num_blocks), dtype=layout.dtype, device=device)
 
 
-def log_kv_cache(config, layout: KVCacheLayout, num_blocks, max_model_len, blocks_per_request) -> None:
+def log_kv_cache(
+    config, layout: KVCacheLayout, num_blocks, max_model_len, blocks_per_request, tensor_parallel_size=1
+) -> None:
+    """`layout` is one rank's: under tensor parallelism each rank holds its K/V heads' share."""
+    if tensor_parallel_size > 1:
+        logger.info(
+            "KV cache per rank: %d of the model's %d K/V heads (%.0f%% of its KV bytes) on each of %d ranks",
+            layout.num_kv_heads,
+            config.num_key_value_heads,
+            100 * layout.num_kv_heads / config.num_key_value_heads,
+            tensor_parallel_size,
+        )
     logger.info(
         "KV cache: %d blocks of %d tokens (%.1f MiB), %d cache layers for %d model layers (%.0f%% of the "
         "full model's KV per token), %d physical KV slot(s) for %d kvcache group(s); maximum concurrency "

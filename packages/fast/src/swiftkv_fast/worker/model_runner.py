@@ -4,7 +4,11 @@ half's CUDA graphs; builds the flat batch of a step, runs the model over the pag
 The first half (layers < L, K/V of every layer written) runs eagerly; the second half goes through
 SecondHalfGraphs (worker/cuda_graph.py): a CUDA graph replay on CUDA with a capturable backend
 unless enforce_eager, else eager. Sampling masks the token ids the scheduler banned for each sampled
-request (`ScheduledRequest.banned_token_ids`: EOS and stop token ids before min_tokens outputs)."""
+request (`ScheduledRequest.banned_token_ids`: EOS and stop token ids before min_tokens outputs).
+
+Under tensor parallelism every rank has a ModelRunner over its shard (model/tp_sharding.py) and its
+own KV cache shard. Rank 0's `execute` sends the step (`StepInput`) to the workers, every rank runs
+`execute_model` (the collectives keep them in step), and rank 0 alone samples."""
 
 from __future__ import annotations
 
@@ -14,14 +18,16 @@ import torch
 
 from swiftkv_fast.attention import get_attention_backend
 from swiftkv_fast.config import EngineConfig
+from swiftkv_fast.distributed.parallel_state import SINGLE, TensorParallelGroup
 from swiftkv_fast.model.kv_cache_layout import KVCacheLayout
 from swiftkv_fast.model.layers import RotaryTable
 from swiftkv_fast.model.loader import build_weights
 from swiftkv_fast.model.swiftkv_model import SwiftKVModel
+from swiftkv_fast.model.tp_sharding import TensorParallelShard
 from swiftkv_fast.sampler import sample, top_logprobs
 from swiftkv_fast.scheduler_output import SchedulerOutput
 from swiftkv_fast.worker.cuda_graph import SecondHalfGraphs
-from swiftkv_fast.worker.input_batch import build_model_input
+from swiftkv_fast.worker.input_batch import StepInput, build_model_input
 from swiftkv_fast.worker.kv_cache import allocate_kv_cache, num_blocks_for
 
 
@@ -38,11 +44,18 @@ class ModelRunnerOutput:
 
 class ModelRunner:
     def __init__(
-        self, config, econf: EngineConfig, layout: KVCacheLayout, state_dict: dict[str, torch.Tensor]
+        self,
+        config,
+        econf: EngineConfig,
+        layout: KVCacheLayout,
+        state_dict: dict[str, torch.Tensor],
+        tp: TensorParallelGroup = SINGLE,
     ):
-        """`econf.max_model_len` must be resolved. Raises ValueError when the KV cache cannot hold one
-        request of max_model_len tokens."""
-        self.config, self.econf, self.layout = config, econf, layout
+        """`econf.max_model_len` must be resolved; `layout` is the rank's (its K/V heads). `state_dict`
+        is the rank's shard (model/tp_sharding.py shard_state_dict; the whole model when tp.size == 1).
+        Raises ValueError when the KV cache cannot hold one request of max_model_len tokens."""
+        self.config, self.econf, self.layout, self.tp = config, econf, layout, tp
+        self.shard = TensorParallelShard.of(config, tp.rank, tp.size)
         self.device = torch.device(econf.device)
         self.block_size = econf.block_size
         # blocks one request of max_model_len tokens holds at most, over every kvcache group
@@ -50,12 +63,14 @@ class ModelRunner:
             econf.max_model_len, econf.max_num_batched_tokens
         )
         weights = build_weights(config, state_dict, econf, layout)
-        self.num_blocks = num_blocks_for(
-            layout,
-            econf.device,
-            econf.num_kv_blocks,
-            econf.kv_cache_memory,
-            max_blocks_useful=1 + econf.max_num_seqs * self.blocks_per_request,
+        self.num_blocks = tp.min_int(  # every rank holds the same block ids
+            num_blocks_for(
+                layout,
+                econf.device,
+                econf.num_kv_blocks,
+                econf.kv_cache_memory,
+                max_blocks_useful=1 + econf.max_num_seqs * self.blocks_per_request,
+            )
         )
         if self.num_blocks - 1 < self.blocks_per_request:
             raise ValueError(
@@ -67,13 +82,15 @@ class ModelRunner:
         self.model = SwiftKVModel(
             weights,
             num_key_value_layers=config.num_key_value_layers,
-            num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads,
+            num_heads=self.shard.num_heads,
+            num_kv_heads=self.shard.num_kv_heads,
             head_dim=config.head_dim,
             eps=config.rms_norm_eps,
             rotary=RotaryTable(weights.rope_inv_freq, econf.max_model_len, self.device),
             layout=layout,
             backend=self.backend,
+            tp=tp,
+            vocab_start=self.shard.vocab_start,
         )
         self.kv_cache = allocate_kv_cache(layout, self.num_blocks, self.device)
         self.graphs = self.make_graphs()
@@ -100,25 +117,38 @@ class ModelRunner:
         )
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """One step on rank 0: the step to every rank, the model, then sampling."""
+        step = self.prepare_step(out)
+        self.tp.broadcast_object(step)
+        return self.sample(out, self.execute_model(step))
+
+    def prepare_step(self, out: SchedulerOutput) -> StepInput:
         token_ids: list[int] = []
         for s in out.scheduled:
             token_ids.extend(s.request.all_token_ids[s.start : s.start + s.num_tokens])
-        inp = build_model_input(
+        return StepInput(
             token_ids,
             [s.start for s in out.scheduled],
             [s.num_tokens for s in out.scheduled],
             [s.sampled for s in out.scheduled],
             [[s.block_ids[g] for s in out.scheduled] for g in range(self.layout.num_groups)],
-            self.block_size,
-            self.device,
         )
+
+    def execute_model(self, step: StepInput) -> torch.Tensor | None:
+        """The model over one step on this rank: fp32 CPU logits (S, vocab) of the sampled tokens, None
+        when none is sampled. Every rank runs it on the same step (its collectives pair them up)."""
+        inp = build_model_input(step, self.block_size, self.device)
         h = self.model.first_half(inp, self.kv_cache)
+        if h is None:
+            return None
+        logits = self.graphs.run(h, inp.sampled_positions, inp.sampled_seq_lens, inp.sampled_block_tables)
+        return logits.cpu()  # on CUDA a copy: a replay's output buffer is reused by the next step
+
+    def sample(self, out: SchedulerOutput, logits: torch.Tensor | None) -> ModelRunnerOutput:
+        if logits is None:
+            return ModelRunnerOutput([], [], [], [], [])
         sampled = [s.request for s in out.scheduled if s.sampled]
         banned = [s.banned_token_ids for s in out.scheduled if s.sampled]
-        if h is None:
-            return ModelRunnerOutput([], [], [], [], [])
-        logits = self.graphs.run(h, inp.sampled_positions, inp.sampled_seq_lens, inp.sampled_block_tables)
-        logits = logits.cpu()  # on CUDA a copy: a replay's output buffer is reused by the next step
         result = sample(logits, [r.sampling_params for r in sampled], [r.generator for r in sampled], banned)
         tops = top_logprobs(result.logprobs, result.token_ids, [r.sampling_params.logprobs for r in sampled])
         chosen = result.logprobs.gather(1, torch.tensor(result.token_ids)[:, None])[:, 0].tolist()

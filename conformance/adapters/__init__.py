@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from .base import EngineOptions, Implementation, Output, Runner, Sampling
-from .fast import FastCudaGraph, FastFlash, FastTorch, FastTriton
+from .fast import FastCudaGraph, FastFlash, FastTorch, FastTP2, FastTriton
 from .reference import Reference
 
 IMPLEMENTATIONS: dict[str, type[Implementation]] = {
-    cls.name: cls for cls in (Reference, FastTorch, FastTriton, FastFlash, FastCudaGraph)
+    cls.name: cls for cls in (Reference, FastTorch, FastTriton, FastFlash, FastCudaGraph, FastTP2)
 }
 GPU_IMPLEMENTATIONS = [name for name, cls in IMPLEMENTATIONS.items() if cls.gpu]
 

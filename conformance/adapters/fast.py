@@ -5,6 +5,8 @@ fast-triton     attention_backend="triton", eager (CUDA, or CPU under TRITON_INT
 fast-flash      attention_backend="flash_attn", eager (CUDA + flash-attn; block size % 256 == 0)
 fast-cudagraph  attention_backend="triton" with the second half replayed from CUDA graphs (CUDA);
                 every generate() call must replay at least one graph (LLM.get_stats()["cuda_graph_replays"])
+fast-tp2        attention_backend="torch", tensor_parallel_size=2: rank 0 here and one worker process
+                (gloo on CPU; on CUDA two devices and NCCL, else skipped)
 """
 
 from __future__ import annotations
@@ -106,6 +108,8 @@ class _FastRunner(Runner):
         }
 
     def close(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()  # tensor-parallel workers stop now, not when the LLM is collected
         self.llm = None
         if _cuda():
             torch.cuda.empty_cache()
@@ -117,6 +121,7 @@ class Fast(Implementation):
     backend: str = "torch"
     enforce_eager: bool = True
     expect_graph_replays: bool = False  # assert that each generate() replayed a second-half CUDA graph
+    tensor_parallel_size: int = 1
 
     @classmethod
     def _base_available(cls) -> tuple[bool, str]:
@@ -149,6 +154,7 @@ class Fast(Implementation):
             "enforce_eager": self.enforce_eager,
             "dtype": self.dtype,
             "device": self.device(),
+            "tensor_parallel_size": self.tensor_parallel_size,
         }
         for name in ("max_num_batched_tokens", "max_num_seqs", "num_kv_blocks", "max_model_len"):
             value = getattr(engine, name)
@@ -258,3 +264,25 @@ class FastCudaGraph(_CudaOnly):
     expect_graph_replays = True
     cuda_reason = "CUDA graphs need CUDA"
     requires = ("triton",)
+
+
+class FastTP2(Fast):
+    """Tensor parallelism over two ranks: on CPU with gloo, on CUDA with two devices and NCCL."""
+
+    name = "fast-tp2"
+    backend = "torch"
+    tensor_parallel_size = 2
+    gpu = True  # also part of `--impl gpu` (nox -s gpu), where it needs two devices
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        if _cuda() and torch.cuda.device_count() < 2:
+            return (
+                False,
+                f"tensor parallelism on CUDA needs 2 devices, this machine has {torch.cuda.device_count()}",
+            )
+        return cls._base_available()
+
+    @classmethod
+    def version(cls) -> str:
+        return f"{super().version()} (torch.distributed {'nccl' if _cuda() else 'gloo'})"

@@ -97,3 +97,18 @@ def test_interrupted_prefill_leaves_no_poisoned_cache(llm, monkeypatch):
     fresh = llm.chat([echo, capital], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in fresh]
     assert len(again[0].prompt_token_ids) > 400 and "Paris" in again[1].outputs[0].text
+
+
+def test_three_ranks_answer_like_one(llm):
+    """9 heads and 3 K/V heads over 3 ranks (gloo, the workers read their shards from the checkpoint):
+    each rank holds one K/V head, and the greedy answer is one rank's, token for token."""
+    params = SamplingParams(temperature=0, max_tokens=16)
+    messages = [{"role": "user", "content": QUESTION}]
+    tp = LLM(max_model_len=1024, kv_cache_memory=64 << 20, tensor_parallel_size=3)
+    try:
+        assert tp.llm_engine.runner.kv_cache.shape[-2] == 1
+        answer = tp.chat(messages, params)[0].outputs[0]
+    finally:
+        tp.shutdown()
+    assert "Paris" in answer.text, answer.text
+    assert answer.token_ids == llm.chat(messages, params)[0].outputs[0].token_ids

@@ -231,3 +231,29 @@ def test_incremental_detokenizer_never_splits_a_character():
     deltas = [detok.update(ids[:k]) for k in range(1, len(ids) + 1)]
     assert not any(REPLACEMENT_CHAR in d for d in deltas)
     assert "".join(deltas) + detok.finish(decode(ids)) == decode(ids) == text
+
+
+def test_a_dead_tensor_parallel_worker_ends_the_engine(make_engine):
+    """The server's engine over 2 ranks: a stream runs; then the worker is killed. The next step fails
+    its request, and the loop stops (is_healthy False: /health says 503) instead of failing every later
+    request one step at a time."""
+    import os
+    import signal
+
+    engine = make_engine(tensor_parallel_size=2)
+    (worker,) = engine.engine.executor.procs
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def scenario():
+        _, ids, _, reason = await collect(engine, [5, 6, 7], params, "before")
+        assert len(ids) == 4 and reason == "length"
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(TIMEOUT)
+        with pytest.raises((RequestFailedError, EngineDeadError), match="rank 1"):
+            await collect(engine, [5, 6, 7], params, "after")
+        await wait_until(TIMEOUT, lambda: not engine.is_healthy)
+        with pytest.raises(EngineDeadError):
+            await collect(engine, [8, 9], params, "later")
+
+    run(scenario())
+    assert engine.errored

@@ -71,6 +71,12 @@ def test_cli_bad_input_is_an_error(capsys):
     assert "top_p" in capsys.readouterr().err
 
 
+def test_cli_refuses_a_tensor_parallel_size_the_heads_cannot_split(capsys):
+    args = ["generate", "--prompt", "hi", "--max-model-len", "512", "--tensor-parallel-size", "2"]
+    assert main(args) == 2
+    assert "num_attention_heads=9" in capsys.readouterr().err
+
+
 def test_interrupted_prefill_leaves_no_poisoned_cache(llm, monkeypatch):
     """Ctrl-C during a long chat's prefill, then the same chat and another one sharing its system
     prompt: both answer exactly as with an empty prefix cache (before the fix: garbage, served from

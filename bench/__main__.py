@@ -17,6 +17,7 @@ BENCHMARKS = {
     "throughput": "throughput",
     "kvcache": "kv_trace",
     "memory": "memory",
+    "tp": "tp",
     "gpu": "gpu",
     "quality": "quality",
     "serve": "serve",
@@ -32,7 +33,8 @@ tables show the median [min-max] over the rounds, and ratios are computed round 
   prefill     prefill tokens/s for prompt lengths 256-4096 at L = N, 3N/4, N/2, beside the FLOP limit
   throughput  the fast engine vs transformers' generate / generate_batch on request mixes
   kvcache     the kvcache trace benchmark (and vLLM's cache manager when importable)
-  memory      KV bytes per token and maximum concurrency across L and G (AcrossKV)
+  memory      KV bytes per token and maximum concurrency across L and G (AcrossKV), per rank at TP=3
+  tp          tensor parallelism N = 1, 2, 3: KV bytes, blocks, concurrency per rank; step time vs N = 1
   quality     how closely SwiftKV students answer like the model, per L, beside the prefill speedup
   serve       swiftkv serve (SwiftKV off/on) vs transformers serve under 1, 4, 16 concurrent chat clients
   gpu         short CUDA benchmark for `nox -s gpu` (exits 0 with a message without CUDA)

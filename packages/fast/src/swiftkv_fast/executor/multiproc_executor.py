@@ -66,7 +66,9 @@ class MultiprocExecutor(Executor):
         self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self._groups)
         init_method = econf.distributed_init_method or free_init_method()
         self.store = connect_store(init_method, 0, n)
-        num_threads = max(1, torch.get_num_threads() // n) if torch.device(econf.device).type == "cpu" else 1
+        # on CPU the ranks share the cores: each runs its model with 1/N of this process's threads
+        num_threads = max(1, torch.get_num_threads() // n) if torch.device(econf.device).type == "cpu" else 0
+        self.num_threads = num_threads
         ctx = mp.get_context("spawn")
         try:
             for rank in range(1, n):
@@ -90,7 +92,7 @@ class MultiprocExecutor(Executor):
         except BaseException as e:
             raise self._failure("at start-up", e) from e
         logger.info(
-            "tensor parallel: %d ranks (%s), worker pids %s, %d torch thread(s) per worker, init %s",
+            "tensor parallel: %d ranks (%s), worker pids %s, %d torch thread(s) per rank on CPU, init %s",
             n,
             "nccl" if torch.device(econf.device).type == "cuda" else "gloo",
             [p.pid for p in self.procs],
@@ -120,11 +122,16 @@ class MultiprocExecutor(Executor):
             raise WorkerDiedError(str(self.dead_error))
         self._raise_if_a_worker_died("between steps")
         step = self.runner.prepare_step(out)
+        threads = torch.get_num_threads()
         try:
+            if self.num_threads:  # rank 0's share of the cores while it runs the model
+                torch.set_num_threads(self.num_threads)
             self.runner.tp.broadcast_object(step)
             logits = self.runner.execute_model(step)
         except BaseException as e:
             raise self._failure("during a step", e) from e
+        finally:
+            torch.set_num_threads(threads)
         return self.runner.sample(out, logits)
 
     def _raise_if_a_worker_died(self, when: str) -> None:

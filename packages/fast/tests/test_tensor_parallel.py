@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
@@ -210,37 +209,61 @@ def test_sigint_during_a_step_is_held_until_every_rank_finished_it(tiny):
         llm.shutdown()
 
 
-def test_workers_exit_when_rank_0_is_killed(tmp_path):
-    """Rank 0 dies without any cleanup (SIGKILL): its workers notice the closed connection and exit."""
-    script = textwrap.dedent(
-        """
-        import os, signal, sys
-        sys.path.insert(0, sys.argv[1])
-        from conftest import TINY_MODELS
-        from swiftkv_reference.testing import random_state_dict, tiny_config
-        from swiftkv_fast import LLM, SamplingParams
+RANK0_SCRIPT = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+from conftest import TINY_MODELS
+from swiftkv_reference.testing import random_state_dict, tiny_config
+from swiftkv_fast import LLM, SamplingParams
 
-        if __name__ == "__main__":
-            cfg = tiny_config(**TINY_MODELS["full"])
-            llm = LLM.from_state_dict(cfg, random_state_dict(cfg), tensor_parallel_size=2, num_kv_blocks=16,
-                                     max_model_len=64)
-            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
-            print(*[p.pid for p in llm.llm_engine.executor.procs], flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        """
+if __name__ == "__main__":
+    cfg = tiny_config(**TINY_MODELS["full"])
+    llm = LLM.from_state_dict(
+        cfg, random_state_dict(cfg), tensor_parallel_size=2, num_kv_blocks=16, max_model_len=64
     )
+    params = SamplingParams(max_tokens=2)
+    llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    print(*[p.pid for p in llm.llm_engine.executor.procs], flush=True)
+    if sys.argv[2] == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    for _ in range(100_000):  # until the test's Ctrl-C
+        llm.generate([[5, 6, 7]], params, use_tqdm=False)
+"""
+
+
+@pytest.mark.parametrize("how", ["sigkill", "ctrl-c"])
+def test_no_worker_outlives_rank_0(tmp_path, how):
+    """Rank 0 killed without any cleanup (SIGKILL): its workers notice the closed connection and exit.
+    Ctrl-C to the whole process group (as a terminal sends it) while generating: the workers ignore it,
+    rank 0 raises KeyboardInterrupt and stops them on its way out."""
     path = tmp_path / "rank0.py"
-    path.write_text(script)
-    tests_dir = os.path.dirname(__file__)
-    proc = subprocess.run(
-        [sys.executable, str(path), tests_dir], capture_output=True, text=True, timeout=120, env=os.environ
+    path.write_text(RANK0_SCRIPT)
+    proc = subprocess.Popen(
+        [sys.executable, str(path), os.path.dirname(__file__), how],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, which the Ctrl-C goes to
     )
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
-    (pid,) = map(int, proc.stdout.split())
+    try:
+        (pid,) = map(int, proc.stdout.readline().split())
+        if how == "ctrl-c":
+            time.sleep(0.5)
+            os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    stderr = proc.stderr.read()
+    if how == "sigkill":
+        assert proc.returncode == -signal.SIGKILL, stderr[-2000:]
+    else:
+        assert proc.returncode != 0 and "KeyboardInterrupt" in stderr, stderr[-2000:]
     deadline = time.monotonic() + 30
     while _running(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _running(pid), f"worker {pid} outlived its rank 0"
+    assert not _running(pid), f"worker {pid} outlived its rank 0 ({how})"
 
 
 def _running(pid: int) -> bool:

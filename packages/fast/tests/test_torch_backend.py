@@ -1,9 +1,20 @@
-"""The torch backend's decode path (gathered slots, grouped-query SDPA, per-step plan) against a naive
-per-request attention over the paged cache."""
+"""The torch backend's decode paths, the compiled C kernel (kernels/cpu_decode.py) and the portable
+one (gathered slots, grouped-query SDPA, per-step plan), against a naive per-request attention over the
+paged cache."""
 
 import pytest
 import torch
 from swiftkv_fast.attention import AttentionMetadata, TorchBackend
+from swiftkv_fast.kernels import cpu_decode
+
+
+@pytest.fixture(params=["compiled", "gather"])
+def backend(request):
+    if request.param == "gather":
+        return TorchBackend(compiled_decode=False)
+    if cpu_decode.compiler() is None or not cpu_decode.enabled():
+        pytest.skip("no C compiler (or SWIFTKV_CPU_DECODE_KERNEL=0): the compiled decode kernel is off")
+    return TorchBackend()
 
 
 def naive_decode(q, k_cache, v_cache, seq_lens, block_tables, window, scale):
@@ -24,7 +35,7 @@ def naive_decode(q, k_cache, v_cache, seq_lens, block_tables, window, scale):
 
 
 @pytest.mark.parametrize("window", [None, 5])
-def test_decode_matches_naive(window):
+def test_decode_matches_naive(window, backend):
     torch.manual_seed(0)
     num_blocks, block_size, kv_heads, heads, dim = 12, 4, 2, 6, 8
     k_cache = torch.randn(num_blocks, block_size, kv_heads, dim)
@@ -32,12 +43,12 @@ def test_decode_matches_naive(window):
     seq_lens = torch.tensor([7, 1, 12], dtype=torch.int32)
     block_tables = torch.tensor([[3, 5, 0], [9, 0, 0], [1, 2, 11]], dtype=torch.int32)
     q = torch.randn(3, heads, dim)
-    be = TorchBackend()
+    be = backend
     want = naive_decode(q, k_cache, v_cache, seq_lens, block_tables, window, 0.3)
     got = be.decode(q, k_cache, v_cache, seq_lens, block_tables, window, 0.3)
     # attention outputs are convex combinations of N(0, 1) values (|out| < 5): 1e-5 is ~20 fp32 ulps
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    # through prefill(): all queries single, the plan is built once and reused by the next layer
+    # through prefill(): all queries single; the gather path builds its plan once for every layer
     meta = AttentionMetadata(
         cu_seqlens_q=torch.arange(4, dtype=torch.int32),
         seq_lens=seq_lens,
@@ -48,10 +59,12 @@ def test_decode_matches_naive(window):
     for _ in range(2):
         got = be.prefill(q, k_cache, v_cache, meta, window, 0.3)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert len(meta.backend_cache) == 1
+    assert len(meta.backend_cache) == (0 if be.compiled_decode else 1)
+    if be.compiled_decode:  # the C kernel ran, not the fallback
+        assert cpu_decode.kernel(dim, heads // kv_heads) is not None
 
 
-def test_decode_strided_query():
+def test_decode_strided_query(backend):
     # q as the model passes it: the query heads of a fused (T, heads + kv_heads, D) tensor
     torch.manual_seed(1)
     k_cache = torch.randn(6, 4, 2, 8)
@@ -59,7 +72,7 @@ def test_decode_strided_query():
     qk = torch.randn(2, 6 + 2, 8)
     seq_lens = torch.tensor([5, 3], dtype=torch.int32)
     block_tables = torch.tensor([[1, 4], [2, 0]], dtype=torch.int32)
-    be = TorchBackend()
+    be = backend
     got = be.decode(qk[:, :6], k_cache, v_cache, seq_lens, block_tables, None, 0.5)
     want = be.decode(qk[:, :6].contiguous(), k_cache, v_cache, seq_lens, block_tables, None, 0.5)
     assert torch.equal(got, want)
@@ -79,5 +92,5 @@ def test_decode_in_chunks_of_requests(monkeypatch):
     q = torch.randn(3, 4, 8)
     want = naive_decode(q, k_cache, v_cache, seq_lens, block_tables, None, 0.4)
     monkeypatch.setattr(torch_backend, "DECODE_CHUNK_BYTES", 1)
-    got = TorchBackend().decode(q, k_cache, v_cache, seq_lens, block_tables, None, 0.4)
+    got = TorchBackend(compiled_decode=False).decode(q, k_cache, v_cache, seq_lens, block_tables, None, 0.4)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

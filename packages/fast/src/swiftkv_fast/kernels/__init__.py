@@ -1,4 +1,5 @@
-"""Triton kernels for the paged KV cache (the ``triton`` attention backend).
+"""Triton kernels for the paged KV cache (the ``triton`` attention backend), and ``cpu_decode``: the
+``torch`` backend's decode attention on CPU as a C kernel compiled at first use.
 
 Nothing here imports triton at package import time: import the submodules
 (``write_kv``, ``paged_prefill``, ``paged_decode``) only when the kernels are

@@ -1,0 +1,173 @@
+"""The compiled C decode kernel (kernels/cpu_decode.py) against the torch backend's gather + SDPA path:
+shapes, windows, padding rows, strided inputs, thread counts; and the fallback when it cannot run."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from swiftkv_fast.attention import TorchBackend
+from swiftkv_fast.kernels import cpu_decode
+
+needs_compiler = pytest.mark.skipif(
+    cpu_decode.compiler() is None or not cpu_decode.enabled(),
+    reason="no C compiler (or SWIFTKV_CPU_DECODE_KERNEL=0): the compiled decode kernel is off",
+)
+
+
+def paged_case(seed, *, num_reqs, heads, kv_heads, dim, block_size, seq_lens, spare_blocks=2):
+    """Random q and K/V cache, every request's blocks scattered over the cache (block 0 is the null block)."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(-(-n // block_size) for n in seq_lens) + spare_blocks
+    num_blocks = 1 + num_reqs * width
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1)[: num_reqs * width].view(num_reqs, width)
+    block_tables = torch.zeros(num_reqs, width, dtype=torch.int32)
+    for r, n in enumerate(seq_lens):
+        used = -(-n // block_size)
+        block_tables[r, :used] = ids[r, :used].to(torch.int32)
+    q = torch.randn(num_reqs, heads, dim, generator=gen)
+    return q, k_cache, v_cache, torch.tensor(seq_lens, dtype=torch.int32), block_tables
+
+
+def gathered(q, k_cache, v_cache, seq_lens, block_tables, window, scale):
+    return TorchBackend(compiled_decode=False).decode(
+        q, k_cache, v_cache, seq_lens, block_tables, window, scale
+    )
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    "heads, kv_heads, dim, block_size",
+    [(9, 3, 64, 16), (4, 4, 8, 4), (8, 1, 16, 1), (16, 2, 128, 16), (2, 1, 32, 3)],
+)
+@pytest.mark.parametrize("window", [None, 1, 7])
+def test_kernel_matches_gather_and_sdpa(heads, kv_heads, dim, block_size, window):
+    # lengths at, below and past block boundaries, a single position, and a long one
+    seq_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 45]
+    q, k, v, lens, tables = paged_case(
+        0, num_reqs=5, heads=heads, kv_heads=kv_heads, dim=dim, block_size=block_size, seq_lens=seq_lens
+    )
+    got = cpu_decode.decode_attention(q, k, v, lens, tables, window, dim**-0.5)
+    assert got is not None
+    want = gathered(q, k, v, lens, tables, window, dim**-0.5)
+    # convex combinations of N(0, 1) values: 1e-5 is ~20 fp32 ulps (the kernel sums in another order)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_compiler
+def test_padding_rows_are_zero_and_leave_other_rows_alone():
+    q, k, v, lens, tables = paged_case(
+        1, num_reqs=3, heads=6, kv_heads=2, dim=16, block_size=4, seq_lens=[5, 1, 9]
+    )
+    lens[1] = 0  # a padding row: no context, its block table row left as the null block
+    tables[1] = 0
+    got = cpu_decode.decode_attention(q, k, v, lens, tables, None, 0.25)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    rows = [0, 2]
+    want = gathered(q[rows], k, v, lens[rows], tables[rows], None, 0.25)
+    torch.testing.assert_close(got[rows], want, rtol=1e-5, atol=1e-5)
+
+
+@needs_compiler
+def test_strided_inputs_as_the_model_passes_them():
+    # q: the query heads of a fused (R, heads + kv_heads, D) tensor; the cache: one slot of the engine's
+    # (num_kv_slots, 2, num_blocks, block_size, kv_heads, D) tensor; int64 lengths; a strided block table
+    q, k, v, lens, tables = paged_case(
+        2, num_reqs=4, heads=6, kv_heads=2, dim=8, block_size=4, seq_lens=[3, 8, 13, 6]
+    )
+    qk = torch.cat([q, torch.randn(4, 2, 8)], dim=1)
+    kv_cache = torch.randn(3, 2, *k.shape)
+    kv_cache[1, 0], kv_cache[1, 1] = k, v
+    wide = torch.zeros(4, 2 * tables.shape[1], dtype=torch.int32)
+    wide[:, ::2] = tables  # a strided view of it is the block table
+    got = cpu_decode.decode_attention(
+        qk[:, :6], kv_cache[1, 0], kv_cache[1, 1], lens.long(), wide[:, ::2], 5, 0.3
+    )
+    want = gathered(q, k, v, lens, tables, 5, 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_compiler
+def test_threads_do_not_change_the_result():
+    q, k, v, lens, tables = paged_case(
+        3, num_reqs=6, heads=9, kv_heads=3, dim=64, block_size=16, seq_lens=[300, 17, 64, 1, 250, 129]
+    )
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_decode.decode_attention(q, k, v, lens, tables, None, 0.125)
+        torch.set_num_threads(2)
+        two = cpu_decode.decode_attention(q, k, v, lens, tables, None, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)  # each (request, KV head) is one thread's work, in a fixed order
+
+
+def test_not_applicable_inputs_fall_back_to_gather():
+    q, k, v, lens, tables = paged_case(
+        4, num_reqs=2, heads=4, kv_heads=2, dim=12, block_size=4, seq_lens=[5, 7]
+    )
+    assert cpu_decode.decode_attention(q, k, v, lens, tables, None, 0.3) is None  # head_dim 12
+    q16, k16, v16 = (t[..., :8].to(torch.bfloat16) for t in (q, k, v))
+    assert cpu_decode.decode_attention(q16, k16, v16, lens, tables, None, 0.3) is None  # bf16
+    got = TorchBackend().decode(q, k, v, lens, tables, None, 0.3)
+    torch.testing.assert_close(got, gathered(q, k, v, lens, tables, None, 0.3))
+
+
+def test_a_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_decode, "_libraries", {})
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    q, k, v, lens, tables = paged_case(
+        5, num_reqs=2, heads=4, kv_heads=2, dim=8, block_size=4, seq_lens=[5, 7]
+    )
+    with caplog.at_level(logging.WARNING, logger="swiftkv_fast"):
+        for _ in range(2):
+            assert cpu_decode.decode_attention(q, k, v, lens, tables, None, 0.3) is None
+            got = TorchBackend().decode(q, k, v, lens, tables, None, 0.3)
+            torch.testing.assert_close(got, gathered(q, k, v, lens, tables, None, 0.3))
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+    assert "did not build" in caplog.records[0].message
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv(cpu_decode.ENV_SWITCH, "0")
+    q, k, v, lens, tables = paged_case(
+        6, num_reqs=2, heads=4, kv_heads=2, dim=8, block_size=4, seq_lens=[5, 7]
+    )
+    assert cpu_decode.kernel(8, 2) is None
+    assert cpu_decode.decode_attention(q, k, v, lens, tables, None, 0.3) is None
+
+
+@needs_compiler
+def test_bad_block_tables_raise_before_reading():
+    q, k, v, lens, tables = paged_case(
+        7, num_reqs=2, heads=4, kv_heads=2, dim=8, block_size=4, seq_lens=[5, 7]
+    )
+    too_long = lens.clone()
+    too_long[1] = 4 * tables.shape[1] + 1
+    with pytest.raises(ValueError, match="exceeds its block table"):
+        cpu_decode.decode_attention(q, k, v, too_long, tables, None, 0.3)
+    outside = tables.clone()
+    outside[0, 1] = k.shape[0]
+    with pytest.raises(ValueError, match="block id outside"):
+        cpu_decode.decode_attention(q, k, v, lens, outside, None, 0.3)
+
+
+@needs_compiler
+def test_a_compiler_without_openmp_gets_a_one_thread_build(monkeypatch, tmp_path, caplog):
+    cc = tmp_path / "cc-without-openmp"
+    cc.write_text(f'#!/bin/sh\ncase "$*" in *-fopenmp*) exit 1;; esac\nexec {cpu_decode.compiler()} "$@"\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setattr(cpu_decode, "_libraries", {})
+    monkeypatch.setattr(cpu_decode, "_openmp", lambda: True)
+    q, k, v, lens, tables = paged_case(
+        8, num_reqs=2, heads=4, kv_heads=2, dim=8, block_size=4, seq_lens=[5, 7]
+    )
+    with caplog.at_level(logging.INFO, logger="swiftkv_fast"):
+        got = cpu_decode.decode_attention(q, k, v, lens, tables, None, 0.3)
+    assert any("one thread" in r.message for r in caplog.records)
+    torch.testing.assert_close(got, gathered(q, k, v, lens, tables, None, 0.3), rtol=1e-5, atol=1e-5)

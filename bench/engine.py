@@ -105,9 +105,14 @@ def run_batch(llm, prompts: list[list[int]], max_tokens: int, use_tqdm: bool = F
     return result
 
 
+def model_runner(llm):
+    """The engine's model runner: `execute(scheduler_output)` runs one step (bench/step_profile.py)."""
+    return llm.llm_engine.runner
+
+
 def swiftkv_model(llm):
     """The engine's model (weights, L): what bench/gemm_floor.py replays the linear layers of."""
-    return llm.llm_engine.runner.model
+    return model_runner(llm).model
 
 
 def linear_kernels() -> dict[str, Any]:

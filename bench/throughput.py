@@ -14,6 +14,11 @@ Mixes (request count x prompt length -> output length):
 "~" lengths are drawn uniformly within +-25% (so static batching pays its padding). Keys follow
 vLLM's `bench throughput` (requests_per_second, tokens_per_second, output_tokens_per_second) and
 `bench latency` (mean/median/p99 of ttft_ms and tpot_ms, pooled over rounds).
+
+`--profile`: after the timed rounds, one more run of each engine system (fast-off, fast-on) with
+timers around its linear layers and attention calls (bench/step_profile.py), reported as the share
+of a step's time in each (every step, and decode steps alone) in a table and in each row's
+`step_profile`. The timed rounds run without timers.
 """
 
 from __future__ import annotations
@@ -22,10 +27,12 @@ import argparse
 import logging
 import random
 import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from bench import engine, gemm_floor, hf_baseline, report
+from bench import engine, gemm_floor, hf_baseline, report, step_profile
 from bench.harness import Sample, Stats, paired_ratio, run_interleaved
 
 log = logging.getLogger(__name__)
@@ -49,6 +56,11 @@ BASELINE = "hf-generate"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mixes", type=lambda s: s.split(","), help=f"comma-separated, from {list(MIXES)}")
     parser.add_argument("--systems", type=lambda s: s.split(","), help=f"comma-separated, from {SYSTEMS}")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="one more run of each engine system, timing its linear layers, attention and the rest per step",
+    )
 
 
 def mix_prompts(mix: tuple, vocab_size: int, seed: int) -> tuple[list[list[int]], int]:
@@ -89,6 +101,11 @@ def run(args: argparse.Namespace) -> int:
                 )
         rows += mix_rows
         tables.append(_table(name, table_of[name], mix_rows, repeat))
+        if args.profile:
+            for row in mix_rows:
+                if row["system"] in runners.llms:
+                    row["step_profile"] = profile_run(runners.llms[row["system"]], prompts, output_len)
+            tables.append(_profile_table(name, mix_rows))
     settings = {
         "mixes": {
             m: dict(zip(["num_requests", "prompt_len", "output_len", "jitter"], table_of[m])) for m in mixes
@@ -100,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         "num_key_value_layers_on": runners.on_layers,
         "dtype": "float32",
         "seed": args.seed,
+        "profile": args.profile,
     }
     json_path = report.write_json(args.out, "throughput", settings, rows)
     png_path = plot(rows, mixes, runners.available, args.out)
@@ -113,17 +131,20 @@ class _Systems:
     def __init__(self, wanted: list[str]) -> None:
         self.skipped: dict[str, str] = {}
         self.fns: dict[str, Callable] = {}
+        self.llms: dict[str, Any] = {}  # the engine systems' LLMs (what --profile instruments)
         off = engine.build_llm(None)
         self.vocab_size = off.config.vocab_size
         self.on_layers = off.config.num_hidden_layers // 2
         if "fast-off" in wanted:
             self.fns["fast-off"] = lambda p, n: engine.run_batch(off, p, n)
+            self.llms["fast-off"] = off
         if "gemm-floor-off" in wanted:
             self.fns["gemm-floor-off"] = lambda p, n: gemm_floor.run(off, p, n)
         if {"fast-on", "gemm-floor-on"} & set(wanted):
             on = engine.build_llm(self.on_layers)
             if "fast-on" in wanted:
                 self.fns["fast-on"] = lambda p, n: engine.run_batch(on, p, n)
+                self.llms["fast-on"] = on
             if "gemm-floor-on" in wanted:
                 self.fns["gemm-floor-on"] = lambda p, n: gemm_floor.run(on, p, n)
         if {"hf-generate", "hf-generate-batch"} & set(wanted):
@@ -157,6 +178,38 @@ def _case(fn, prompts, output_len):
         return fn(prompts, output_len).metrics()
 
     return call
+
+
+def profile_run(llm, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
+    """One run of the workload with step timers (bench/step_profile.py): StepProfile.summary()."""
+    with step_profile.profiled(llm) as prof:
+        start = time.perf_counter()
+        engine.run_batch(llm, prompts, output_len)
+        wall = time.perf_counter() - start
+    return prof.summary(wall)
+
+
+def _profile_table(name: str, rows: list[dict]) -> report.Table:
+    t = report.Table(
+        f"Step profile, mix {name}: share of a step's time (one profiled run per engine system)",
+        ["system", "steps", "ms/step", "linear", "attention", "kv write", "rest"],
+    )
+    for r in rows:
+        prof = r.get("step_profile")
+        if prof is None:
+            continue
+        for kind in ("all", "decode"):
+            p = prof[kind]
+            shares = [
+                None if p[f"{c}_share"] is None else f"{100 * p[f'{c}_share']:.0f}%"
+                for c in step_profile.CATEGORIES
+            ]
+            t.add(f"{r['system']} ({kind} steps)", p["steps"], p["step_ms"], *shares)
+    t.notes.append(
+        "linear: every Linear (GEMMs); attention: the backend's prefill + decode calls (first and second "
+        "half); kv write: write_kv; rest: norms, RoPE, residuals, sampling, batch building."
+    )
+    return t
 
 
 def _percentiles(values_s: list[float], prefix: str) -> dict[str, float | None]:

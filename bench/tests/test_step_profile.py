@@ -1,0 +1,79 @@
+"""`bench throughput --profile`: each step's time split into linear layers, attention, KV writes and the
+rest, by timers that exist only inside the profiled run (no timing assertions here)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import engine, step_profile
+from bench.__main__ import main
+
+
+def tiny_llm(num_key_value_layers=None, build=engine.build_llm, **kw):
+    from swiftkv_reference.testing import random_state_dict, tiny_config
+
+    config = tiny_config()  # 4 layers
+    return build(
+        num_key_value_layers,
+        config=config,
+        state_dict=random_state_dict(config),
+        kv_cache_memory=1 << 20,
+        **kw,
+    )
+
+
+def assert_shares(summary: dict, steps: int) -> None:
+    assert summary["steps"] == steps and summary["step_ms"] > 0
+    shares = [summary[f"{c}_share"] for c in step_profile.CATEGORIES]
+    assert sum(shares) == pytest.approx(1.0) and all(s >= 0 for s in shares)
+    assert summary["linear_share"] > 0 and summary["attention_share"] > 0
+
+
+def test_profiled_steps_split_into_linear_attention_and_rest():
+    from swiftkv_fast.model.layers import Linear
+
+    llm = tiny_llm(2)  # SwiftKV on: first-half attention, second-half decode, the fused K/V projection
+    prompts = engine.random_prompts(3, 12, llm.config.vocab_size)
+    plain = engine.run_batch(llm, prompts, 4).texts
+    runner, model = engine.model_runner(llm), engine.swiftkv_model(llm)
+    backend = model.backend
+    with step_profile.profiled(llm) as prof:
+        profiled = engine.run_batch(llm, prompts, 4).texts
+    summary = prof.summary(wall_seconds=1e9)
+    assert_shares(summary["all"], 4)  # one prefill step, then 3 decode steps
+    assert_shares(summary["decode"], 3)
+    assert 0 < summary["runner_share"] < 1
+    # restored: the same engine objects, no timer left behind, and the same tokens
+    assert profiled == plain
+    assert model.backend is backend and "execute" not in vars(runner)
+    for holder in [model.w, *model.w.layers]:
+        assert not any(type(v).__name__ == "_TimedLinear" for v in vars(holder).values())
+    assert isinstance(model.w.layers[0].qkv, Linear) and isinstance(model.w.kv_swiftkv, Linear)
+
+
+def test_the_engine_is_restored_when_the_run_fails():
+    llm = tiny_llm()
+    model = engine.swiftkv_model(llm)
+    backend, qkv = model.backend, model.w.layers[0].qkv
+    with pytest.raises(RuntimeError, match="boom"), step_profile.profiled(llm):
+        raise RuntimeError("boom")
+    assert model.backend is backend and model.w.layers[0].qkv is qkv
+    assert "execute" not in vars(engine.model_runner(llm))
+
+
+def test_throughput_quick_profile_reports_shares(monkeypatch, tmp_path, capsys):
+    build = engine.build_llm
+    monkeypatch.setattr(engine, "build_llm", lambda L=None, **kw: tiny_llm(L, build=build))
+    argv = ["throughput", "--quick", "--profile", "--systems", "fast-off,fast-on", "--mixes", "issue4"]
+    assert main([*argv, "--warmup", "0", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "Step profile, mix issue4" in out and "fast-on (decode steps)" in out
+    data = json.loads((tmp_path / "throughput.json").read_text())
+    assert data["settings"]["profile"] is True
+    rows = {r["system"]: r for r in data["results"]}
+    for system in ("fast-off", "fast-on"):
+        prof = rows[system]["step_profile"]
+        assert_shares(prof["all"], 8)  # quick issue4: 4 x 64 prompt tokens -> 8 tokens each
+        assert_shares(prof["decode"], 7)

@@ -176,7 +176,7 @@ def test_failed_step_aborts_its_requests_only(tiny, monkeypatch):
     assert b.output_token_ids == solo[0].outputs[0].token_ids
 
 
-def test_real_sigint_during_scheduling_is_held_until_the_step_can_be_undone(tiny, monkeypatch):
+def test_real_sigint_during_scheduling_is_held_until_the_step_can_be_undone(tiny, monkeypatch, sigint_raises):
     """A SIGINT that arrives inside the scheduler's bookkeeping is delivered when it ends, and the
     step it interrupts is undone like any other failure."""
     cfg, state, _ = tiny(**TINY_MODELS["mistral_swiftkv_g2"])

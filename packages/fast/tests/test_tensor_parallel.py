@@ -180,7 +180,7 @@ def test_a_worker_error_is_reported_with_its_message(tiny, monkeypatch):
         LLM.from_state_dict(cfg, state, tensor_parallel_size=2, **ENGINE)
 
 
-def test_sigint_during_a_step_is_held_until_every_rank_finished_it(tiny):
+def test_sigint_during_a_step_is_held_until_every_rank_finished_it(tiny, sigint_raises):
     """Ctrl-C reaches rank 0 in the middle of the model: the ranks finish the step together, then the
     interrupt undoes it, and the engine gives one rank's tokens on the next call."""
     cfg, state, _ = tiny(**TINY_MODELS["hybrid"])
@@ -211,6 +211,7 @@ def test_sigint_during_a_step_is_held_until_every_rank_finished_it(tiny):
 
 RANK0_SCRIPT = """
 import os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if started with it ignored
 sys.path.insert(0, sys.argv[1])
 from conftest import TINY_MODELS
 from swiftkv_reference.testing import random_state_dict, tiny_config

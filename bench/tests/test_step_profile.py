@@ -64,8 +64,11 @@ def test_the_engine_is_restored_when_the_run_fails():
 
 
 def test_throughput_quick_profile_reports_shares(monkeypatch, tmp_path, capsys):
+    from bench import throughput
+
     build = engine.build_llm
     monkeypatch.setattr(engine, "build_llm", lambda L=None, **kw: tiny_llm(L, build=build))
+    monkeypatch.setattr(throughput, "plot", lambda rows, mixes, systems, out: out / "throughput.png")
     argv = ["throughput", "--quick", "--profile", "--systems", "fast-off,fast-on", "--mixes", "issue4"]
     assert main([*argv, "--warmup", "0", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out

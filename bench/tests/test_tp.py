@@ -10,8 +10,11 @@ import pytest
 pytest.importorskip("swiftkv_fast")
 
 
-def test_tp_quick_rows_per_n_with_bytes_per_token_exactly_one_over_n(tmp_path):
+def test_tp_quick_rows_per_n_with_bytes_per_token_exactly_one_over_n(tmp_path, monkeypatch):
+    from bench import tp
     from bench.__main__ import main
+
+    monkeypatch.setattr(tp, "plot", lambda kv_rows, step_rows, out: out / "tp.png")  # no matplotlib in tests
 
     assert main(["tp", "--quick", "--models", "tiny", "--sizes", "1,2", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "tp.json").read_text())

@@ -94,3 +94,52 @@ def test_decode_in_chunks_of_requests(monkeypatch):
     monkeypatch.setattr(torch_backend, "DECODE_CHUNK_BYTES", 1)
     got = TorchBackend(compiled_decode=False).decode(q, k_cache, v_cache, seq_lens, block_tables, None, 0.4)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_per_request_prefill_pays_off_only_when_padding_costs_more_than_the_calls():
+    from swiftkv_fast.attention.torch_backend import SdpaCost
+
+    cost = SdpaCost(per_call=1e-4, per_unit=1e-9)
+    assert cost.per_request_is_faster([480, 800] * 8, heads=9)  # 16 long prompts of mixed lengths
+    assert not cost.per_request_is_faster([4, 8] * 64, heads=9)  # 128 short ones: the calls cost more
+    assert not cost.per_request_is_faster([300, 300], heads=9)  # nothing padded
+
+
+@pytest.mark.parametrize("per_request", [True, False])
+def test_fresh_prompts_of_different_lengths_either_way_match_the_reference(tiny_engine_case, per_request):
+    """One batch of fresh prompts of different lengths, with the per-request or the padded SDPA forced:
+    greedy tokens and logits as the reference's."""
+    run, expected = tiny_engine_case
+    tokens, logits = run(per_request)
+    assert tokens == expected[0]
+    for got, want in zip(logits, expected[1]):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def tiny_engine_case():
+    from conftest import reference_greedy
+    from swiftkv_fast import LLM, SamplingParams
+    from swiftkv_fast.attention import torch_backend
+    from swiftkv_fast.attention.torch_backend import SdpaCost
+    from swiftkv_reference.testing import random_state_dict, tiny_config, tiny_model
+
+    cfg = tiny_config(model_type="llama_swiftkv", num_hidden_layers=4, num_key_value_layers=2)
+    state, model = random_state_dict(cfg, seed=0), tiny_model(cfg, seed=0)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist() for n in (7, 40, 23, 64)]
+    refs = [reference_greedy(model, p, 4) for p in prompts]
+    expected = ([t for t, _ in refs], [rows for _, rows in refs])
+
+    def run(per_request: bool):
+        forced = SdpaCost(per_call=0.0, per_unit=1.0) if per_request else SdpaCost(per_call=1.0, per_unit=0.0)
+        real = torch_backend.sdpa_cost
+        torch_backend.sdpa_cost = lambda *args: forced
+        try:
+            llm = LLM.from_state_dict(cfg, state, return_logits=True, num_kv_blocks=64, max_model_len=128)
+            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        finally:
+            torch_backend.sdpa_cost = real
+        return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logits for o in outs]
+
+    return run, expected

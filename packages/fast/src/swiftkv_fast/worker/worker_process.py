@@ -9,6 +9,7 @@ process; so does rank 0's death, which closes the connections the worker waits o
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 import traceback
@@ -58,6 +59,9 @@ def run_worker(
     rank: int, size: int, init_method: str, econf: EngineConfig, source: WorkerSource, num_threads: int
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    fmt = f"%(levelname)s %(asctime)s rank{rank} %(name)s] %(message)s"
+    for handler in logging.getLogger("swiftkv_fast").handlers:  # its lines say which rank wrote them
+        handler.setFormatter(logging.Formatter(fmt, "%H:%M:%S"))
     torch.set_num_threads(num_threads)
     store = connect_store(init_method, rank, size)
     try:

@@ -59,7 +59,6 @@ class MultiprocExecutor(Executor):
         checkpoint_dir: str | None,
     ):
         n = econf.tensor_parallel_size
-        self.size = n
         self.dead_error = None
         self.procs: list[mp.Process] = []
         self._groups: list = []  # [rank 0's TensorParallelGroup] once built (the finalizer stops via it)

@@ -7,7 +7,7 @@ unless enforce_eager, else eager. Sampling masks the token ids the scheduler ban
 request (`ScheduledRequest.banned_token_ids`: EOS and stop token ids before min_tokens outputs).
 
 Under tensor parallelism every rank has a ModelRunner over its shard (model/tp_sharding.py) and its
-own KV cache shard. Rank 0's `execute` sends the step (`StepInput`) to the workers, every rank runs
+own KV cache shard. Rank 0's executor sends the step (`StepInput`) to the workers, every rank runs
 `execute_model` (the collectives keep them in step), and rank 0 alone samples."""
 
 from __future__ import annotations
@@ -117,9 +117,9 @@ class ModelRunner:
         )
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """One step on rank 0: the step to every rank, the model, then sampling."""
+        """One step in one process (tensor parallelism: executor/multiproc_executor.py sends the step to
+        the workers between prepare_step and execute_model)."""
         step = self.prepare_step(out)
-        self.tp.broadcast_object(step)
         return self.sample(out, self.execute_model(step))
 
     def prepare_step(self, out: SchedulerOutput) -> StepInput:

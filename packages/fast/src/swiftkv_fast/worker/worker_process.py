@@ -62,7 +62,8 @@ def run_worker(
     fmt = f"%(levelname)s %(asctime)s rank{rank} %(name)s] %(message)s"
     for handler in logging.getLogger("swiftkv_fast").handlers:  # its lines say which rank wrote them
         handler.setFormatter(logging.Formatter(fmt, "%H:%M:%S"))
-    torch.set_num_threads(num_threads)
+    if num_threads:  # on CPU the ranks share the cores; 0 on CUDA: torch's default
+        torch.set_num_threads(num_threads)
     store = connect_store(init_method, rank, size)
     try:
         store.add(JOINED_KEY, 1)

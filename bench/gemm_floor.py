@@ -16,9 +16,17 @@ max_num_batched_tokens = 4096):
 
 With L = 15 the prefill chunk runs 15 layers plus the fused K/V projection of layers 15-29, and the
 16 sampled rows run q_proj_swiftkv, o, gate_up and down of layers 15-29.
+
+Is the floor the hardware's, or one library's? `workload_flops` counts the floor's multiply-adds
+(2 * rows * in * out per call) and `peak_gflops` measures this machine's best fp32 GEMM rate: one
+large square product through every linear kernel the engine can choose from. The floor's own rate
+(flops / seconds) as a share of that peak says how much faster any fp32 GEMM could make it here.
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -45,27 +53,23 @@ class _Rows:
         return self.cache[key]
 
 
-@torch.inference_mode()
-def run(llm, prompts: list[list[int]], output_len: int) -> BatchResult:
-    """Run the workload's linear layers once; returns the token counts of the workload it stands for."""
+def _replay(llm, prompts: list[list[int]], output_len: int, call: Callable[[object, int], None]) -> None:
+    """call(linear, rows) for every linear-layer call of the workload, in the engine's order."""
     model = swiftkv_model(llm)
     w, L = model.w, model.L
-    rows = _Rows()
-
-    def layer_linears(layer, m: int) -> None:
-        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            lin(rows(m, lin.in_features, w.embed))
 
     def all_rows(m: int) -> None:  # layers < L and the fused K/V projection of layers >= L, m tokens
         for layer in w.layers[:L]:
-            layer_linears(layer, m)
+            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                call(lin, m)
         if w.kv_swiftkv is not None:
-            w.kv_swiftkv(rows(m, w.kv_swiftkv.in_features, w.embed))
+            call(w.kv_swiftkv, m)
 
     def sampled_rows(m: int) -> None:  # the second half and lm_head for m sampled tokens
         for layer in w.layers[L:]:
-            layer_linears(layer, m)
-        w.lm_head(rows(m, w.lm_head.in_features, w.embed))
+            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                call(lin, m)
+        call(w.lm_head, m)
 
     for m in prompt_chunks([len(p) for p in prompts], step_token_budget(llm)):
         all_rows(m)
@@ -73,4 +77,47 @@ def run(llm, prompts: list[list[int]], output_len: int) -> BatchResult:
     for _ in range(output_len - 1):
         all_rows(len(prompts))
         sampled_rows(len(prompts))
+
+
+@torch.inference_mode()
+def run(llm, prompts: list[list[int]], output_len: int) -> BatchResult:
+    """Run the workload's linear layers once; returns the token counts of the workload it stands for."""
+    rows = _Rows()
+    embed = swiftkv_model(llm).w.embed
+    _replay(llm, prompts, output_len, lambda lin, m: lin(rows(m, lin.in_features, embed)))
     return BatchResult(sum(map(len, prompts)), output_len * len(prompts))
+
+
+def workload_flops(llm, prompts: list[list[int]], output_len: int) -> int:
+    """Floating-point operations of `run`: 2 * rows * in_features * out_features per linear call."""
+    total = 0
+
+    def count(lin, m: int) -> None:
+        nonlocal total
+        total += 2 * m * lin.in_features * lin.out_features
+
+    _replay(llm, prompts, output_len, count)
+    return total
+
+
+@torch.inference_mode()
+def peak_gflops(size: int = 2048, repeats: int = 3) -> dict[str, float]:
+    """This machine's fp32 GEMM rate (GFLOP/s) on one (size x size) @ (size x size) product, best of
+    `repeats` calls, through each linear kernel the engine chooses from that runs here."""
+    from swiftkv_fast.model.linear_kernels import KERNELS
+
+    x, weight = torch.randn(size, size), torch.randn(size, size)
+    rates = {}
+    for name, kernel in KERNELS.items():
+        try:
+            layout = kernel.pack(weight)
+            kernel.run(x, layout, None)
+        except Exception:  # a private op this torch lacks: not a kernel of this machine
+            continue
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            kernel.run(x, layout, None)
+            best = min(best, time.perf_counter() - start)
+        rates[name] = 2 * size**3 / best / 1e9
+    return rates

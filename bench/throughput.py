@@ -81,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     warmup = 1 if args.warmup is None else args.warmup
 
     runners = _systems(systems)
+    peak = gemm_floor.peak_gflops() if runners.floor_llms else {}
     tables, rows = [], []
     for name in mixes:
         prompts, output_len = mix_prompts(table_of[name], runners.vocab_size, args.seed)
@@ -92,6 +93,11 @@ def run(args: argparse.Namespace) -> int:
         )
         samples = run_interleaved(cases, repeat=repeat, warmup=warmup, warmup_cases=warm, progress=True)
         mix_rows = [summarize(name, s, samples[s]) for s in cases]
+        for row in mix_rows:
+            if row["system"] in runners.floor_llms:
+                flops = gemm_floor.workload_flops(runners.floor_llms[row["system"]], prompts, output_len)
+                row["flops"] = flops
+                row["gflops_per_second"] = Stats.of([flops / x.seconds / 1e9 for x in samples[row["system"]]])
         if BASELINE in samples:
             base = samples[BASELINE]
             for row, s in zip(mix_rows, cases):
@@ -100,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
                     [x.metrics["output_tokens"] / x.seconds for x in base],
                 )
         rows += mix_rows
-        tables.append(_table(name, table_of[name], mix_rows, repeat))
+        tables.append(_table(name, table_of[name], mix_rows, repeat, peak))
         if args.profile:
             for row in mix_rows:
                 if row["system"] in runners.llms:
@@ -118,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         "dtype": "float32",
         "seed": args.seed,
         "profile": args.profile,
+        "peak_gemm_gflops": peak,
     }
     json_path = report.write_json(args.out, "throughput", settings, rows)
     png_path = plot(rows, mixes, runners.available, args.out)
@@ -132,6 +139,7 @@ class _Systems:
         self.skipped: dict[str, str] = {}
         self.fns: dict[str, Callable] = {}
         self.llms: dict[str, Any] = {}  # the engine systems' LLMs (what --profile instruments)
+        self.floor_llms: dict[str, Any] = {}  # the GEMM floor systems' LLMs (whose linears they replay)
         off = engine.build_llm(None)
         self.vocab_size = off.config.vocab_size
         self.on_layers = off.config.num_hidden_layers // 2
@@ -140,6 +148,7 @@ class _Systems:
             self.llms["fast-off"] = off
         if "gemm-floor-off" in wanted:
             self.fns["gemm-floor-off"] = lambda p, n: gemm_floor.run(off, p, n)
+            self.floor_llms["gemm-floor-off"] = off
         if {"fast-on", "gemm-floor-on"} & set(wanted):
             on = engine.build_llm(self.on_layers)
             if "fast-on" in wanted:
@@ -147,6 +156,7 @@ class _Systems:
                 self.llms["fast-on"] = on
             if "gemm-floor-on" in wanted:
                 self.fns["gemm-floor-on"] = lambda p, n: gemm_floor.run(on, p, n)
+                self.floor_llms["gemm-floor-on"] = on
         if {"hf-generate", "hf-generate-batch"} & set(wanted):
             from swiftkv_reference.default_model import default_model_dir
 
@@ -245,7 +255,7 @@ def summarize(mix: str, system: str, samples: list[Sample]) -> dict:
     return row
 
 
-def _table(name: str, mix: tuple, rows: list[dict], repeat: int) -> report.Table:
+def _table(name: str, mix: tuple, rows: list[dict], repeat: int, peak: dict[str, float]) -> report.Table:
     num, mean_len, output_len, jitter = mix
     length = f"~{mean_len}" if jitter else str(mean_len)
     t = report.Table(
@@ -281,6 +291,15 @@ def _table(name: str, mix: tuple, rows: list[dict], repeat: int) -> report.Table
             "gemm-floor-off/on: only the engine's fp32 linear layers for this workload (same weights, "
             "shapes and chunking): the fastest any engine can be here; its x hf-generate is the ceiling."
         )
+    for r in rows:
+        if "gflops_per_second" in r and peak:
+            best = max(peak, key=peak.get)
+            rate = r["gflops_per_second"].median
+            share = 100 * rate / peak[best]
+            t.notes.append(
+                f"{r['system']}: {r['flops'] / 1e9:.0f} GFLOP at {rate:.0f} GFLOP/s, {share:.0f}% of this "
+                f"machine's fp32 GEMM peak ({peak[best]:.0f} GFLOP/s: 2048^3 through {best})."
+            )
     return t
 
 

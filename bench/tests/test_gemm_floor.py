@@ -39,3 +39,30 @@ def test_floor_runs_the_engine_linears_of_the_schedule(monkeypatch, num_key_valu
     for _ in range(2):  # decode steps
         expected += [2] * (4 * L + len(swiftkv) + 4 * (n - L) + 1)
     assert calls == expected
+    assert gemm_floor.workload_flops(llm, [[3] * 5, [4] * 7], output_len=3) > 0
+    assert len(calls) == len(expected)  # counting runs no linear
+
+
+@pytest.mark.parametrize("num_key_value_layers", [None, 2])
+def test_workload_flops_are_two_per_multiply_add_of_every_replayed_call(num_key_value_layers):
+    from swiftkv_reference.testing import random_state_dict, tiny_config
+
+    config = tiny_config()
+    llm = engine.build_llm(
+        num_key_value_layers, config=config, state_dict=random_state_dict(config), max_num_batched_tokens=8
+    )
+    shapes = []
+    record = lambda lin, m: shapes.append((m, lin.in_features, lin.out_features))  # noqa: E731
+    gemm_floor._replay(llm, [[3] * 5, [4] * 7], 3, record)
+    assert gemm_floor.workload_flops(llm, [[3] * 5, [4] * 7], 3) == sum(2 * m * i * o for m, i, o in shapes)
+    h, inter, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    assert (2, h, v) in shapes  # lm_head on the sampled rows
+    assert (8, h, 2 * inter) in shapes  # gate_up on a prefill chunk
+
+
+def test_peak_gflops_measures_every_kernel_that_runs_here():
+    from swiftkv_fast.model.linear_kernels import KERNELS
+
+    rates = gemm_floor.peak_gflops(size=64, repeats=1)
+    assert rates and set(rates) <= set(KERNELS) and "linear" in rates
+    assert all(r > 0 for r in rates.values())

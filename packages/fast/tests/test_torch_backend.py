@@ -99,10 +99,59 @@ def test_decode_in_chunks_of_requests(monkeypatch):
 def test_per_request_prefill_pays_off_only_when_padding_costs_more_than_the_calls():
     from swiftkv_fast.attention.torch_backend import SdpaCost
 
-    cost = SdpaCost(per_call=1e-4, per_unit=1e-9)
-    assert cost.per_request_is_faster([480, 800] * 8, heads=9)  # 16 long prompts of mixed lengths
-    assert not cost.per_request_is_faster([4, 8] * 64, heads=9)  # 128 short ones: the calls cost more
-    assert not cost.per_request_is_faster([300, 300], heads=9)  # nothing padded
+    cost = SdpaCost(per_call=1e-4, per_unit=1e-9, per_masked_unit=1.35e-9)
+    lens = [480, 800] * 8
+    assert cost.per_request_is_faster(lens, lens, heads=9)  # 16 long prompts of mixed lengths
+    short = [4, 8] * 64
+    assert not cost.per_request_is_faster(short, short, heads=9)  # 128 short ones: the calls cost more
+    assert not cost.per_request_is_faster([300, 300], [300, 300], heads=9)  # nothing padded
+    # one chunk continues its prompt: the padded call would mask all seven, per request only that one
+    assert cost.per_request_is_faster([640] * 7, [640] * 6 + [1280], heads=9)
+    # a window: per request reads only the keys it reaches (127 of the first request's 1,024)
+    assert cost.per_request_is_faster([64, 64], [1024, 64], heads=9, window=64)
+    assert not cost.per_request_is_faster([8, 8], [8, 8], heads=9, window=64)
+
+
+def naive_prefill(q, k_cache, v_cache, q_lens, kv_lens, block_tables, window, scale):
+    # q: (T, H, D): request r's q_lens[r] queries at positions kv_lens[r] - q_lens[r], ..., kv_lens[r] - 1
+    out, start = [], 0
+    for r, (n, s) in enumerate(zip(q_lens, kv_lens)):
+        for i in range(n):
+            pos = s - n + i
+            out.append(naive_decode(q[start + i][None], k_cache, v_cache, torch.tensor([pos + 1]),
+                                    block_tables[r : r + 1], window, scale)[0])
+        start += n
+    return torch.stack(out)
+
+
+def test_per_request_prefill_of_chunks_and_windows_matches_naive_attention(monkeypatch):
+    """Prompt rows that continue a prompt, fresh ones, and windows that cut them: one SDPA call per
+    request and the padded masked call both equal a naive attention over the paged cache."""
+    from swiftkv_fast.attention import torch_backend
+    from swiftkv_fast.attention.torch_backend import SdpaCost
+
+    torch.manual_seed(3)
+    block_size, kv_heads, heads, dim = 4, 2, 6, 8
+    k_cache = torch.randn(40, block_size, kv_heads, dim)
+    v_cache = torch.randn(40, block_size, kv_heads, dim)
+    q_lens, kv_lens = [5, 9, 3], [5, 21, 11]  # fresh; a chunk after 12 cached tokens; after 8
+    block_tables = torch.tensor(
+        [[7, 2, 0, 0, 0, 0], [11, 3, 30, 17, 5, 22], [9, 39, 14, 0, 0, 0]], dtype=torch.int32
+    )
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32),
+        seq_lens=torch.tensor(kv_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        max_query_len=max(q_lens),
+        max_seq_len=max(kv_lens),
+    )
+    q = torch.randn(sum(q_lens), heads, dim)
+    for window in (None, 6, 2):
+        want = naive_prefill(q, k_cache, v_cache, q_lens, kv_lens, block_tables, window, 0.3)
+        for cost in (SdpaCost(0.0, 1.0, 1.0), SdpaCost(1.0, 0.0, 0.0)):  # per request; padded
+            monkeypatch.setattr(torch_backend, "sdpa_cost", lambda *args, c=cost: c)
+            got = TorchBackend().prefill(q, k_cache, v_cache, meta, window, 0.3)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("per_request", [True, False])
@@ -132,7 +181,7 @@ def tiny_engine_case():
     expected = ([t for t, _ in refs], [rows for _, rows in refs])
 
     def run(per_request: bool):
-        forced = SdpaCost(per_call=0.0, per_unit=1.0) if per_request else SdpaCost(per_call=1.0, per_unit=0.0)
+        forced = SdpaCost(0.0, 1.0, 1.0) if per_request else SdpaCost(1.0, 0.0, 0.0)
         real = torch_backend.sdpa_cost
         torch_backend.sdpa_cost = lambda *args: forced
         try:

@@ -14,10 +14,15 @@ heads of one KV head as that head's queries: (R, kv_heads, group, D) against (R,
 so K/V are never repeated. Requests are attended in chunks whose gathered K/V fit in L2
 (DECODE_CHUNK_BYTES), so SDPA reads them from cache rather than memory.
 
-Fresh prompts of different lengths on CPU: one padded causal SDPA call computes R x max_len^2 scores,
-one call per request only sum(len^2) but pays the per-call overhead R times. Which is faster is decided
-per batch from `SdpaCost`, two SDPA timings taken once per process and head shape (at 16 prompts of
-480-800 tokens, per request is about 1.25x faster here; for many short prompts the padded call wins).
+Prompt rows on CPU: one padded SDPA call computes R x max_q x max_kv scores (causal without a mask
+tensor only when every prompt is fresh and there is no window; otherwise under a mask, which SDPA runs
+about 1.35x slower per score). One call per request computes only its own n x s scores, causal where
+that request is fresh, and reads only the keys inside its window, but pays the per-call overhead R
+times. Which is faster is decided per batch from `SdpaCost`, three SDPA timings taken once per process
+and head shape. Per request wins for fresh prompts of different lengths (16 prompts of 480-800 tokens:
+about 1.25x) and for every batch with a chunk that continues a prompt (the padded call would mask all
+of them: a chunked prefill step of 7 x 640 tokens runs about 1.5x faster); the padded call wins for
+many short prompts.
 """
 
 from __future__ import annotations
@@ -40,6 +45,15 @@ def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_kv: int) -> 
     kv = cache[block_tables[:, :num_blocks].long()]  # (R, nb, block_size, kv_heads, head_dim)
     kv = kv.flatten(1, 2)[:, :max_kv]
     return kv.transpose(1, 2)
+
+
+def _gather_range(cache: torch.Tensor, block_table: torch.Tensor, first: int, end: int) -> torch.Tensor:
+    # cache: (num_blocks, block_size, kv_heads, head_dim); block_table: (max_blocks,) of one request
+    # -> its positions [first, end): (1, kv_heads, end - first, head_dim)
+    block_size = cache.shape[1]
+    lo, hi = first // block_size, -(-end // block_size)
+    kv = cache[block_table[lo:hi].long()].flatten(0, 1)  # ((hi - lo) * block_size, kv_heads, head_dim)
+    return kv[first - lo * block_size : end - lo * block_size].transpose(0, 1)[None]
 
 
 @dataclass
@@ -102,40 +116,69 @@ def _sdpa(q, k, v, mask, scale, is_causal=False):
 
 @dataclass(frozen=True)
 class SdpaCost:
-    """Seconds of one causal SDPA call here: per_call + per_unit * heads * len^2."""
+    """Seconds of one SDPA call here: per_call + per_unit * heads * n^2 for a causal call over n fresh
+    tokens (no mask tensor), per_call + per_masked_unit * heads * n * s for n queries against s keys
+    under a mask."""
 
     per_call: float
     per_unit: float
+    per_masked_unit: float
 
-    def per_request_is_faster(self, lens: list[int], heads: int) -> bool:
-        """One call per request instead of one padded call for fresh prompts of these lengths: it saves
-        the padded scores and pays len(lens) - 1 more calls."""
-        wasted = heads * (len(lens) * max(lens) ** 2 - sum(n * n for n in lens))
-        return self.per_unit * wasted > (len(lens) - 1) * self.per_call
+    def call(self, heads: int, num_queries: int, num_keys: int, causal: bool) -> float:
+        scores = num_queries * num_queries if causal else num_queries * num_keys
+        return self.per_call + heads * scores * (self.per_unit if causal else self.per_masked_unit)
+
+    def per_request_is_faster(
+        self, q_lens: list[int], kv_lens: list[int], heads: int, window: int | None = None
+    ) -> bool:
+        """One call per request (each causal where it may be, over its window's keys only) instead of
+        one padded call for prompt rows of these query and context lengths."""
+        fresh = window is None and q_lens == kv_lens
+        max_q, max_kv = max(q_lens), max(kv_lens)
+        padded = self.call(heads * len(q_lens), max_q, max_kv, causal=fresh)
+        per_request = sum(
+            self.call(heads, n, s - _first_key(n, s, window), _causal(n, s, window))
+            for n, s in zip(q_lens, kv_lens)
+        )
+        return per_request < padded
+
+
+def _first_key(num_queries: int, num_keys: int, window: int | None) -> int:
+    """The first key position any of the last `num_queries` of `num_keys` positions sees."""
+    return 0 if window is None else max(0, num_keys - num_queries - window + 1)
+
+
+def _causal(num_queries: int, num_keys: int, window: int | None) -> bool:
+    """A fresh prompt that no window cuts: SDPA's is_causal (top-left aligned) is its exact mask."""
+    return num_queries == num_keys and (window is None or num_queries <= window)
 
 
 _SDPA_COSTS: dict[tuple, SdpaCost] = {}
 
 
 def sdpa_cost(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> SdpaCost:
-    """Measured once per process and shape on the CPU: the best of 3 calls at 16 and at 256 tokens."""
+    """Measured once per process and shape on the CPU: the best of 3 causal calls at 16 and at 256
+    tokens, and of 3 masked calls at 256."""
     key = (heads, kv_heads, head_dim, dtype)
     if key not in _SDPA_COSTS:
+        small, large = 16, 256
 
-        def seconds(n: int) -> float:
+        def seconds(n: int, masked: bool = False) -> float:
             q = torch.randn(1, heads, n, head_dim).to(dtype)
             kv = torch.randn(1, kv_heads, n, head_dim).to(dtype)
+            mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None] if masked else None
             best = math.inf
             for _ in range(3):
                 start = time.perf_counter()
-                _sdpa(q, kv, kv, None, head_dim**-0.5, is_causal=True)
+                _sdpa(q, kv, kv, mask, head_dim**-0.5, is_causal=not masked)
                 best = min(best, time.perf_counter() - start)
             return best
 
-        small, large = 16, 256
         t_small, t_large = seconds(small), seconds(large)
         per_unit = max(0.0, (t_large - t_small) / (heads * (large**2 - small**2)))
-        _SDPA_COSTS[key] = SdpaCost(max(0.0, t_small - per_unit * heads * small**2), per_unit)
+        per_call = max(0.0, t_small - per_unit * heads * small**2)
+        per_masked_unit = max(0.0, (seconds(large, masked=True) - per_call) / (heads * large**2))
+        _SDPA_COSTS[key] = SdpaCost(per_call, per_unit, per_masked_unit)
     return _SDPA_COSTS[key]
 
 
@@ -188,8 +231,17 @@ class TorchBackend(AttentionBackend):
                 max_query_len=meta.max_query_len,
                 max_seq_len=int(meta.seq_lens[pre].max()),
             )
-            out[tok] = self._prefill_padded(q[tok], k_cache, v_cache, sub, q_lens[pre], window, scale)
+            out[tok] = self._prefill_prompts(q[tok], k_cache, v_cache, sub, q_lens[pre], window, scale)
             return out
+        return self._prefill_prompts(q, k_cache, v_cache, meta, q_lens, window, scale)
+
+    def _prefill_prompts(self, q, k_cache, v_cache, meta, q_lens, window, scale):
+        # q: (T, H, D), the prompt rows of meta's requests (none has a single query unless all do)
+        if q.device.type == "cpu":
+            lens, kv_lens = q_lens.tolist(), meta.seq_lens.tolist()
+            cost = sdpa_cost(q.shape[1], k_cache.shape[2], q.shape[2], q.dtype)
+            if cost.per_request_is_faster(lens, kv_lens, q.shape[1], window):
+                return self._prefill_per_request(q, k_cache, v_cache, meta, lens, kv_lens, window, scale)
         return self._prefill_padded(q, k_cache, v_cache, meta, q_lens, window, scale)
 
     def _prefill_padded(self, q, k_cache, v_cache, meta, q_lens, window, scale):
@@ -198,11 +250,6 @@ class TorchBackend(AttentionBackend):
         seq_lens = meta.seq_lens.long()
         cu = meta.cu_seqlens_q.long()
         fresh = window is None and bool((seq_lens == q_lens).all())
-        if fresh and q.device.type == "cpu" and num_reqs > 1:
-            lens = q_lens.tolist()
-            cost = sdpa_cost(q.shape[1], k_cache.shape[2], q.shape[2], q.dtype)
-            if min(lens) != max(lens) and cost.per_request_is_faster(lens, q.shape[1]):
-                return self._prefill_per_request(q, k_cache, v_cache, meta, lens, scale)
         no_padding = q.shape[0] == num_reqs * max_q  # every request has max_q queries: a plain view
         if no_padding:
             qpad = q.unflatten(0, (num_reqs, max_q))
@@ -229,15 +276,25 @@ class TorchBackend(AttentionBackend):
             return out.reshape(q.shape)
         return out[req_of_tok, j_of_tok]  # (T, H, D)
 
-    def _prefill_per_request(self, q, k_cache, v_cache, meta, lens: list[int], scale):
-        # q: (T, H, D), fresh prompts of `lens` tokens one after the other: one causal SDPA call each
-        k = _gather_kv(k_cache, meta.block_tables, meta.max_seq_len)  # (R, KVH, max_kv, D)
-        v = _gather_kv(v_cache, meta.block_tables, meta.max_seq_len)
+    def _prefill_per_request(self, q, k_cache, v_cache, meta, lens, kv_lens, window, scale):
+        # q: (T, H, D): request r's lens[r] queries, the last of its kv_lens[r] positions, one after
+        # the other; one SDPA call each, over the keys its window reaches
         out = torch.empty_like(q)
         start = 0
-        for r, n in enumerate(lens):
+        for r, (n, s) in enumerate(zip(lens, kv_lens)):
+            first = _first_key(n, s, window)
+            k = _gather_range(k_cache, meta.block_tables[r], first, s)  # (1, KVH, s - first, D)
+            v = _gather_range(v_cache, meta.block_tables[r], first, s)
             qr = q[start : start + n].transpose(0, 1)[None]  # (1, H, n, D)
-            o = _sdpa(qr, k[r : r + 1, :, :n], v[r : r + 1, :, :n], None, scale, is_causal=True)
+            if _causal(n, s, window):
+                o = _sdpa(qr, k, v, None, scale, is_causal=True)
+            else:
+                qpos = torch.arange(s - n, s, device=q.device)[:, None]  # (n, 1)
+                kpos = torch.arange(first, s, device=q.device)[None, :]  # (1, s - first)
+                mask = kpos <= qpos
+                if window is not None:
+                    mask &= kpos > qpos - window
+                o = _sdpa(qr, k, v, mask[None, None], scale)
             out[start : start + n] = o[0].transpose(0, 1)
             start += n
         return out

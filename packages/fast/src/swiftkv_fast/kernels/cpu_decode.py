@@ -13,11 +13,9 @@ tokens, 9 heads, 3 KV heads, head_dim 64, blocks scattered over a cache larger t
 4-7x faster per layer (0.50 vs 2.96 ms at 2 threads); in the engine (bench throughput --profile,
 issue-4 mix) decode attention fell from ~37% to ~17% of a decode step.
 
-The source is compiled at first use for each (head_dim, group) with the system C compiler ($CC, else
-`cc`; -O3 -march=native, so for this machine's SIMD; -fopenmp when torch's parallel backend is
-OpenMP, whose runtime the kernel then shares) in a private temporary directory, and loaded with
-ctypes: about half a second, once per process and shape. A compiler without OpenMP gets a one-thread
-build. Without a compiler, or when no build loads, `kernel()` returns None (one warning) and the
+The source is compiled at first use for each (head_dim, group) by kernels/cpu_compile.py (the system
+C compiler, -O3 -march=native, OpenMP where torch uses it): about half a second, once per process and
+shape. Without a compiler, or when no build loads, `kernel()` returns None (one warning) and the
 caller keeps its portable path. SWIFTKV_CPU_DECODE_KERNEL=0 turns the kernel off. A seq_len beyond its
 block table or a block id outside the cache raises ValueError before that request's rows are read.
 """
@@ -26,34 +24,17 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shutil
-import subprocess
-import tempfile
-import threading
-import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-from swiftkv_fast.logger import init_logger
-
-logger = init_logger(__name__)
+from swiftkv_fast.kernels import cpu_compile
+from swiftkv_fast.kernels.cpu_compile import compiler  # noqa: F401  (re-exported: tests and callers ask)
 
 ENV_SWITCH = "SWIFTKV_CPU_DECODE_KERNEL"
 MAX_GROUP = 16  # query heads per KV head the kernel keeps in registers / on the stack
-FLAGS = [
-    "-O3",
-    "-march=native",
-    "-fno-math-errno",
-    "-fno-trapping-math",
-    "-fassociative-math",  # vectorized dot products and sums (fp32 reassociation, as in a GEMM)
-    "-fno-signed-zeros",
-    "-fPIC",
-    "-shared",
-]
 
-SOURCE = r"""
+SOURCE = cpu_compile.EXPF + r"""
 #include <float.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -66,24 +47,6 @@ static inline float hsum(v8 a) {
     float s = 0.f;
     for (int i = 0; i < 8; i++) s += a[i];
     return s;
-}
-
-/* e^x for x <= 0 (Cephes expf): 2^n * p(r), n = round(x / ln 2), |r| <= ln(2) / 2 */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return p * scale;
 }
 
 /* GROUP queries (qh: GROUP x HEAD_DIM) of one KV head against positions [start, n); s: n - start
@@ -123,7 +86,7 @@ static void attend(const float *qh, const float *k, const float *v, int64_t bloc
     for (int g = 0; g < GROUP; g++) {
         float *sg = s + g * len, m = mx[g], total = 0.f;
         for (int64_t i = 0; i < len; i++) {
-            float e = exp_nonpositive(sg[i] - m);
+            float e = swiftkv_expf(sg[i] - m);
             sg[i] = e;
             total += e;
         }
@@ -192,10 +155,6 @@ int swiftkv_decode_attention(const float *q, int64_t q_stride, const float *k, c
 }
 """
 
-_lock = threading.Lock()
-_libraries: dict[tuple[int, int], Callable | None] = {}
-
-
 def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") != "0"
 
@@ -213,27 +172,6 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     )
 
 
-def kernel(head_dim: int, group: int) -> Callable | None:
-    """The compiled kernel for this (head_dim, group), built at the first call; None when it cannot be
-    built or loaded here (logged once) or is switched off."""
-    if not enabled():
-        return None
-    key = (head_dim, group)
-    with _lock:
-        if key not in _libraries:
-            _libraries[key] = _build(head_dim, group)
-        return _libraries[key]
-
-
-def compiler() -> str | None:
-    """The C compiler the kernel is built with: $CC, else `cc`; None when not on PATH."""
-    return shutil.which(os.environ.get("CC", "cc"))
-
-
-def _openmp() -> bool:
-    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
-
-
 # swiftkv_decode_attention's arguments: q, q_stride, k, v, block_stride, num_blocks, block_tables,
 # bt_stride, max_blocks, seq_lens, out, num_reqs, kv_heads, bs, window, scale, num_threads
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
@@ -242,41 +180,18 @@ _ARGTYPES += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, c
 _ARGTYPES += [ctypes.c_float, ctypes.c_int]
 
 
-def _build(head_dim: int, group: int) -> Callable | None:
-    """Compiles and loads the kernel: with OpenMP where torch uses it, else (or when that build fails,
-    e.g. a compiler without OpenMP) single-threaded."""
-    cc = compiler()
-    if cc is None:
-        logger.warning("decode attention: no C compiler (cc / $CC) found; using gather + SDPA")
+def kernel(head_dim: int, group: int) -> Callable | None:
+    """The compiled kernel for this (head_dim, group), built at the first call (kernels/cpu_compile.py);
+    None when it cannot be built or loaded here (logged once) or is switched off."""
+    if not enabled():
         return None
-    flags = [*FLAGS, f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}"]
-    errors = []
-    for openmp in [True, False] if _openmp() else [False]:
-        start = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix="swiftkv-cpu-decode-") as tmp:
-            src, lib = Path(tmp) / "decode.c", Path(tmp) / "decode.so"
-            src.write_text(SOURCE)
-            cmd = [cc, *flags, *(["-fopenmp"] if openmp else []), str(src), "-o", str(lib)]
-            try:
-                subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
-                fn = ctypes.CDLL(str(lib)).swiftkv_decode_attention  # mapped: the file may go now
-            except (OSError, subprocess.SubprocessError) as e:
-                errors.append((getattr(e, "stderr", None) or str(e)).strip())
-                continue
-        fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
-        logger.info(
-            "decode attention: C kernel for head_dim %d, group %d built in %.2f s (%s, %s)",
-            head_dim,
-            group,
-            time.perf_counter() - start,
-            os.path.basename(cc),
-            "OpenMP" if openmp else "one thread",
-        )
-        return fn
-    logger.warning(
-        "decode attention: the C kernel did not build (%s); using gather + SDPA", " / ".join(errors)
+    functions = cpu_compile.load(
+        "decode-attention",
+        SOURCE,
+        {"HEAD_DIM": head_dim, "GROUP": group},
+        {"swiftkv_decode_attention": _ARGTYPES},
     )
-    return None
+    return None if functions is None else functions["swiftkv_decode_attention"]
 
 
 def decode_attention(

@@ -1,5 +1,7 @@
-"""Small layers: Linear (its kernel chosen per row count, model/linear_kernels.py), RMSNorm, RoPE
-(cos/sin table), SiLU-and-mul."""
+"""Small layers: Linear (its kernel chosen per row count, model/linear_kernels.py), RMSNorm (and the
+residual add fused in front of it), RoPE (cos/sin table, applied in place), SiLU-and-mul. On CPU in
+fp32 the last three run as C kernels (kernels/cpu_ops.py) where they can be built; the torch code
+here is the portable path and their specification."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from bisect import bisect_left
 import torch
 import torch.nn.functional as F
 
+from swiftkv_fast.kernels import cpu_ops
 from swiftkv_fast.model.linear_kernels import KERNELS, KernelChoice
 
 
@@ -37,7 +40,9 @@ class Linear:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # x: (T, hidden)
+    # x: (T, hidden) -> (T, hidden)
+    if x.device.type == "cpu" and (out := cpu_ops.add_rms_norm(x, None, weight, eps)) is not None:
+        return out
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one fused pass; same math in fp32
     xf = x.float()
@@ -45,8 +50,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """A residual add, then the next norm: h += delta in place (no add when delta is None), returns
+    rms_norm(h). h, delta: (T, hidden)."""
+    if h.device.type == "cpu" and (out := cpu_ops.add_rms_norm(h, delta, weight, eps)) is not None:
+        return out
+    return rms_norm(h if delta is None else h.add_(delta), weight, eps)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     # gate_up: (T, 2 * intermediate) -> (T, intermediate)
+    if gate_up.device.type == "cpu" and (out := cpu_ops.silu_and_mul(gate_up)) is not None:
+        return out
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate, inplace=True).mul_(up)
 
@@ -63,6 +80,29 @@ class RotaryTable:
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: (T,) -> cos, sin: (T, 1, head_dim // 2) fp32
         return self.cos[positions][:, None], self.sin[positions][:, None]
+
+    def at(self, positions: torch.Tensor) -> Rotation:
+        """RoPE at one batch's positions (T,) int64, for every layer of a step."""
+        return Rotation(self, positions)
+
+
+class Rotation:
+    """RoPE at one batch's positions: `apply_(x)` rotates x (T, heads, head_dim) in place (a view whose
+    heads are dense within a token, e.g. the q and k columns of a fused qkv output). The C kernel reads
+    the tables by position; the torch path looks cos/sin up once and reuses them for every layer."""
+
+    __slots__ = ("table", "positions", "_cos_sin")
+
+    def __init__(self, table: RotaryTable, positions: torch.Tensor):
+        self.table, self.positions = table, positions
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def apply_(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and cpu_ops.rope_(x, self.positions, self.table.cos, self.table.sin):
+            return x
+        if self._cos_sin is None:
+            self._cos_sin = self.table.lookup(self.positions)
+        return x.copy_(apply_rope(x, *self._cos_sin))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

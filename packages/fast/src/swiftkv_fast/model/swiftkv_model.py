@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from swiftkv_fast.attention.base import AttentionBackend
 from swiftkv_fast.distributed.parallel_state import SINGLE, TensorParallelGroup
 from swiftkv_fast.model.kv_cache_layout import KVCacheLayout
-from swiftkv_fast.model.layers import Linear, RotaryTable, apply_rope, rms_norm, silu_and_mul
+from swiftkv_fast.model.layers import Linear, RotaryTable, add_rms_norm, rms_norm, silu_and_mul
 from swiftkv_fast.model.model_input import ModelInput
 
 
@@ -85,9 +85,11 @@ class SwiftKVModel:
         # one write_kv each, on the plain slice kv_cache[kv_slot[a] : kv_slot[a] + b - a]
         self.swiftkv_write_runs = layout.slot_runs(self.L)
 
-    def _mlp(self, h: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
-        x = rms_norm(h, lw.post_norm, self.eps)
-        return h.add_(self.tp.all_reduce(lw.down(silu_and_mul(lw.gate_up(x)))))
+    def _layer_tail(self, h: torch.Tensor, attn: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
+        """o_proj and the MLP of a layer after its attention output attn (T, heads * head_dim): o_proj's
+        residual is added to h (in place); the MLP's output is returned, for the next add_rms_norm."""
+        x = add_rms_norm(h, self.tp.all_reduce(lw.o(attn)), lw.post_norm, self.eps)
+        return self.tp.all_reduce(lw.down(silu_and_mul(lw.gate_up(x))))
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         # (T,) -> (T, hidden); a rank looks up the ids of its vocab rows, zeros elsewhere, then the sum
@@ -106,26 +108,28 @@ class SwiftKVModel:
         sampled tokens, None if there are none."""
         nh, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
         h = self._embed(inp.input_ids)  # (T, hidden)
-        cos, sin = self.rotary.lookup(inp.positions)  # (T, 1, hd)
+        rope = self.rotary.at(inp.positions)
+        mlp_out = None  # the previous layer's MLP output: the next norm adds it to h
         for lw in self.w.layers[: self.L]:
             grp = inp.groups[lw.group]
-            x = rms_norm(h, lw.input_norm, self.eps)
+            x = add_rms_norm(h, mlp_out, lw.input_norm, self.eps)
             qkv = lw.qkv(x)  # (T, (nh + 2 kvh) hd)
-            # RoPE on q and k in one pass: (T, nh + kvh, hd)
-            qk = apply_rope(qkv[:, : (nh + kvh) * hd].view(-1, nh + kvh, hd), cos, sin)
+            # RoPE on q and k in one pass, in place: (T, nh + kvh, hd)
+            qk = rope.apply_(qkv[:, : (nh + kvh) * hd].view(-1, nh + kvh, hd))
             q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[:, (nh + kvh) * hd :]
             p = self.kv_slot[lw.cache_layer]
             self.backend.write_kv(kv_cache[p : p + 1], k[:, None], v.view(-1, 1, kvh, hd), grp.slot_mapping)
             o = self.backend.prefill(q, kv_cache[p, 0], kv_cache[p, 1], grp.meta, lw.window, self.scale)
-            h = h.add_(self.tp.all_reduce(lw.o(o.flatten(1))))
-            h = self._mlp(h, lw)
+            mlp_out = self._layer_tail(h, o.flatten(1), lw)
+        if mlp_out is not None:
+            h = h.add_(mlp_out)
         if self.w.kv_swiftkv is not None:
             s = rms_norm(h, self.w.norm_swiftkv, self.eps)
             kv = self.w.kv_swiftkv(s).view(s.shape[0], 2, -1, kvh, hd)
             n_sk = kv.shape[2]  # (T, 2, n_swiftkv_cache_layers, kvh, hd)
-            k = apply_rope(kv[:, 0].reshape(-1, n_sk * kvh, hd), cos, sin).view(-1, n_sk, kvh, hd)
-            v = kv[:, 1]
+            rope.apply_(kv[:, 0].view(-1, n_sk * kvh, hd))
+            k, v = kv[:, 0], kv[:, 1]
             for a, b, g in self.swiftkv_write_runs:
                 p = self.kv_slot[a]
                 self.backend.write_kv(
@@ -153,10 +157,12 @@ class SwiftKVModel:
         Capturable in a CUDA graph with a capturable backend: no host syncs, row-wise only, and the
         input ``h`` is not modified."""
         nh, hd = self.num_heads, self.head_dim
-        cos, sin = self.rotary.lookup(positions)
+        rope = self.rotary.at(positions)
+        h = h.clone()  # the residual stream is updated in place; the caller's input stays as it was
+        mlp_out = None
         for lw in self.w.layers[self.L :]:
-            x = rms_norm(h, lw.input_norm, self.eps)
-            q = apply_rope(lw.qkv(x).view(-1, nh, hd), cos, sin)
+            x = add_rms_norm(h, mlp_out, lw.input_norm, self.eps)
+            q = rope.apply_(lw.qkv(x).view(-1, nh, hd))
             p = self.kv_slot[lw.cache_layer]
             o = self.backend.decode(
                 q,
@@ -167,7 +173,6 @@ class SwiftKVModel:
                 lw.window,
                 self.scale,
             )
-            h = h + self.tp.all_reduce(lw.o(o.flatten(1)))
-            h = self._mlp(h, lw)
-        h = rms_norm(h, self.w.norm, self.eps)
+            mlp_out = self._layer_tail(h, o.flatten(1), lw)
+        h = add_rms_norm(h, mlp_out, self.w.norm, self.eps)
         return self.tp.all_gather(self.w.lm_head(h).float())  # (S, vocab)

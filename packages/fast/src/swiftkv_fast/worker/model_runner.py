@@ -27,6 +27,7 @@ from swiftkv_fast.model.tp_sharding import TensorParallelShard
 from swiftkv_fast.sampler import sample, top_logprobs
 from swiftkv_fast.scheduler_output import SchedulerOutput
 from swiftkv_fast.worker.cuda_graph import SecondHalfGraphs
+from swiftkv_fast.worker.host_allocator import tune_for_inference
 from swiftkv_fast.worker.input_batch import StepInput, build_model_input
 from swiftkv_fast.worker.kv_cache import allocate_kv_cache, num_blocks_for
 
@@ -57,6 +58,8 @@ class ModelRunner:
         self.config, self.econf, self.layout, self.tp = config, econf, layout, tp
         self.shard = TensorParallelShard.of(config, tp.rank, tp.size)
         self.device = torch.device(econf.device)
+        if self.device.type == "cpu":
+            tune_for_inference()  # before the weights and the KV cache are allocated
         self.block_size = econf.block_size
         # blocks one request of max_model_len tokens holds at most, over every kvcache group
         self.blocks_per_request = layout.max_num_held_blocks(

@@ -1,0 +1,120 @@
+"""Small C kernels for the CPU, compiled at first use with the system C compiler and loaded with ctypes.
+
+`load(name, source, defines, symbols)` builds `source` once per process and set of defines ($CC, else
+`cc`; -O3 -march=native, so for this machine's SIMD; -fopenmp when torch's parallel backend is OpenMP,
+whose runtime the kernels then share) in a private temporary directory, and returns the requested
+functions with their ctypes signatures: about a fifth of a second per build. A compiler without
+OpenMP gets a one-thread build. Without a compiler, or when no build loads, it returns None (one
+warning per build) and the caller keeps its portable path. The kernels of kernels/cpu_decode.py and
+kernels/cpu_ops.py are built here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from swiftkv_fast.logger import init_logger
+
+logger = init_logger(__name__)
+
+FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fassociative-math",  # vectorized dot products and sums (fp32 reassociation, as in a GEMM)
+    "-fno-signed-zeros",
+    "-fPIC",
+    "-shared",
+]
+
+# e^x in fp32 for the kernels' sources (Cephes expf: 2^n * p(r), n = round(x / ln 2), |r| <= ln(2) / 2;
+# about 1 ulp), branch-free so that the compiler vectorizes loops over it; x is clamped to [-87, 88]
+EXPF = r"""
+#include <stdint.h>
+#include <string.h>
+static inline float swiftkv_expf(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+"""
+
+_lock = threading.Lock()
+_built: dict[tuple, dict[str, ctypes._CFuncPtr] | None] = {}
+
+
+def compiler() -> str | None:
+    """The C compiler the kernels are built with: $CC, else `cc`; None when not on PATH."""
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def _openmp() -> bool:
+    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
+def load(
+    name: str, source: str, defines: dict[str, int], symbols: dict[str, list]
+) -> dict[str, ctypes._CFuncPtr] | None:
+    """The functions `symbols` ({symbol: argtypes}, each returning int) of `source` compiled with
+    `defines`; built at the first call per (name, defines), None when it cannot be built or loaded."""
+    key = (name, tuple(sorted(defines.items())))
+    with _lock:
+        if key not in _built:
+            _built[key] = _build(name, source, defines, symbols)
+        return _built[key]
+
+
+def _build(name: str, source: str, defines: dict[str, int], symbols: dict[str, list]):
+    what = f"{name} ({', '.join(f'{k}={v}' for k, v in defines.items())})" if defines else name
+    cc = compiler()
+    if cc is None:
+        logger.warning("%s: no C compiler (cc / $CC) found; using the portable torch path", what)
+        return None
+    flags = [*FLAGS, *(f"-D{k}={v}" for k, v in defines.items())]
+    errors = []
+    for openmp in [True, False] if _openmp() else [False]:
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix=f"swiftkv-{name}-") as tmp:
+            src, lib = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
+            src.write_text(source)
+            cmd = [cc, *flags, *(["-fopenmp"] if openmp else []), str(src), "-o", str(lib)]
+            try:
+                subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
+                library = ctypes.CDLL(str(lib))  # mapped: the file may go now
+                functions = {symbol: getattr(library, symbol) for symbol in symbols}
+            except (OSError, AttributeError, subprocess.SubprocessError) as e:
+                errors.append((getattr(e, "stderr", None) or str(e)).strip())
+                continue
+        for symbol, argtypes in symbols.items():
+            functions[symbol].argtypes, functions[symbol].restype = argtypes, ctypes.c_int
+        logger.info(
+            "%s: C kernel built in %.2f s (%s, %s)",
+            what,
+            time.perf_counter() - start,
+            os.path.basename(cc),
+            "OpenMP" if openmp else "one thread",
+        )
+        return functions
+    logger.warning("%s: the C kernel did not build (%s); using the portable torch path", what, " / ".join(errors))
+    return None

@@ -1,0 +1,189 @@
+"""The model's small ops on CPU in fp32 as compiled C kernels: RMSNorm (with the residual add fused in
+front), SiLU-and-mul and in-place RoPE (model/layers.py calls them; the torch ops stay the portable
+path and the specification).
+
+Each reads its input once and writes its output once, where the torch ops make two to four passes
+over the rows, and allocate a fresh output per op. A step of 16 decode rows spends most of those ops'
+time in dispatch (about 60 torch calls a layer); a 4,096-token prefill step spends it in memory passes
+(silu_and_mul's output, for one, is a strided view that the next GEMM copies again). Rows are split
+over torch's OpenMP threads when a call has at least PARALLEL_MIN elements, else run on one.
+
+Built at first use by kernels/cpu_compile.py; without a compiler, or with SWIFTKV_CPU_OPS_KERNEL=0,
+every wrapper returns None and model/layers.py runs the torch ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from swiftkv_fast.kernels import cpu_compile
+
+ENV_SWITCH = "SWIFTKV_CPU_OPS_KERNEL"
+PARALLEL_MIN = 1 << 16  # elements below which a call runs on one thread (a parallel region costs ~us)
+
+SOURCE = cpu_compile.EXPF + r"""
+#include <math.h>
+#include <stdint.h>
+
+/* h: (T, H), rows h_stride apart; d: NULL, or (T, H) rows d_stride apart that are added to h first
+   (in place: h += d); w: (H,); out: (T, H) contiguous = h * rsqrt(mean(h^2) + eps) * w. */
+int swiftkv_add_rms_norm(float *h, int64_t h_stride, const float *d, int64_t d_stride, const float *w,
+                         float *out, int64_t T, int64_t H, float eps, int num_threads) {
+    #pragma omp parallel for num_threads(num_threads) if (T * H >= PARALLEL_MIN)
+    for (int64_t t = 0; t < T; t++) {
+        float *ht = h + t * h_stride, *ot = out + t * H, ss = 0.f;
+        if (d != NULL) {
+            const float *dt = d + t * d_stride;
+            for (int64_t i = 0; i < H; i++) {
+                float x = ht[i] + dt[i];
+                ht[i] = x;
+                ss += x * x;
+            }
+        } else {
+            for (int64_t i = 0; i < H; i++) ss += ht[i] * ht[i];
+        }
+        const float r = 1.f / sqrtf(ss / (float)H + eps);
+        for (int64_t i = 0; i < H; i++) ot[i] = (ht[i] * r) * w[i];
+    }
+    return 0;
+}
+
+/* gu: (T, 2 I) rows gu_stride apart, [gate | up]; out: (T, I) contiguous = silu(gate) * up. */
+int swiftkv_silu_and_mul(const float *gu, int64_t gu_stride, float *out, int64_t T, int64_t I,
+                         int num_threads) {
+    #pragma omp parallel for num_threads(num_threads) if (T * I >= PARALLEL_MIN)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gu + t * gu_stride, *u = g + I;
+        float *o = out + t * I;
+        for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.f + swiftkv_expf(-g[i])) * u[i];
+    }
+    return 0;
+}
+
+/* Rotate-half RoPE in place: x holds T tokens, rows x_stride apart, each `heads` heads of D contiguous
+   values; cos, sin: (max_pos, D / 2); token t uses row positions[t]: a = x[:D/2], b = x[D/2:] become
+   a cos - b sin, b cos + a sin. Returns 1 (nothing written) when a position is outside [0, max_pos). */
+int swiftkv_rope(float *x, int64_t x_stride, int64_t T, int64_t heads, int64_t D, const int64_t *positions,
+                 const float *cos_table, const float *sin_table, int64_t max_pos, int num_threads) {
+    for (int64_t t = 0; t < T; t++)
+        if (positions[t] < 0 || positions[t] >= max_pos) return 1;
+    const int64_t half = D / 2;
+    #pragma omp parallel for num_threads(num_threads) if (T * heads * D >= PARALLEL_MIN)
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos_table + positions[t] * half, *s = sin_table + positions[t] * half;
+        for (int64_t h = 0; h < heads; h++) {
+            float *a = x + t * x_stride + h * D, *b = a + half;
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = a[i], x2 = b[i];
+                a[i] = x1 * c[i] - x2 * s[i];
+                b[i] = x2 * c[i] + x1 * s[i];
+            }
+        }
+    }
+    return 0;
+}
+"""
+
+_P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+SYMBOLS = {
+    # h, h_stride, d, d_stride, w, out, T, H, eps, num_threads
+    "swiftkv_add_rms_norm": [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _F, _INT],
+    # gu, gu_stride, out, T, I, num_threads
+    "swiftkv_silu_and_mul": [_P, _I64, _P, _I64, _I64, _INT],
+    # x, x_stride, T, heads, D, positions, cos, sin, max_pos, num_threads
+    "swiftkv_rope": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _INT],
+}
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def _kernels() -> dict | None:
+    if not enabled():
+        return None
+    return cpu_compile.load("cpu-ops", SOURCE, {"PARALLEL_MIN": PARALLEL_MIN}, SYMBOLS)
+
+
+def _rows(t: torch.Tensor) -> bool:
+    """A CPU fp32 (T, n) tensor whose rows are dense (any row stride)."""
+    return t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 2 and t.stride(1) == 1
+
+
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor | None:
+    """h += delta (in place, when given), then RMSNorm(h) * weight as a new (T, H) tensor; None when the
+    kernel does not apply (not fp32 CPU rows) or is unavailable, with h untouched."""
+    if not (_rows(h) and (delta is None or (_rows(delta) and delta.shape == h.shape))):
+        return None
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous():
+        return None
+    kernels = _kernels()
+    if kernels is None:
+        return None
+    out = torch.empty(h.shape, dtype=torch.float32)
+    kernels["swiftkv_add_rms_norm"](
+        h.data_ptr(),
+        h.stride(0),
+        None if delta is None else delta.data_ptr(),
+        0 if delta is None else delta.stride(0),
+        weight.data_ptr(),
+        out.data_ptr(),
+        h.shape[0],
+        h.shape[1],
+        eps,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """(T, 2 I) [gate | up] -> silu(gate) * up, a new contiguous (T, I); None when it does not apply."""
+    if not _rows(gate_up) or gate_up.shape[1] % 2:
+        return None
+    kernels = _kernels()
+    if kernels is None:
+        return None
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((rows, inter), dtype=torch.float32)
+    kernels["swiftkv_silu_and_mul"](
+        gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, inter, torch.get_num_threads()
+    )
+    return out
+
+
+def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Rotates x (T, heads, D) in place, heads dense within a token (any token stride), with the rows
+    `positions` (T,) of the tables cos, sin (max_pos, D / 2). False (x untouched) when it does not apply;
+    ValueError for a position outside the tables."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 3 or x.shape[2] % 2:
+        return False
+    if x.stride(2) != 1 or x.stride(1) != x.shape[2] or positions.dtype != torch.int64:
+        return False
+    if not (cos.is_contiguous() and sin.is_contiguous() and cos.dtype == sin.dtype == torch.float32):
+        return False
+    if cos.shape[1] * 2 != x.shape[2] or sin.shape != cos.shape:
+        return False
+    kernels = _kernels()
+    if kernels is None:
+        return False
+    positions = positions.contiguous()
+    status = kernels["swiftkv_rope"](
+        x.data_ptr(),
+        x.stride(0),
+        x.shape[0],
+        x.shape[1],
+        x.shape[2],
+        positions.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        cos.shape[0],
+        torch.get_num_threads(),
+    )
+    if status == 1:
+        raise ValueError(f"RoPE: a position (max {int(positions.max())}) is outside the table of {cos.shape[0]}")
+    return True

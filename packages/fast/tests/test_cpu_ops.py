@@ -1,0 +1,119 @@
+"""The compiled CPU ops (kernels/cpu_ops.py) against their torch specification in model/layers.py:
+RMSNorm with and without the residual add, SiLU-and-mul, in-place RoPE; strided rows, one thread and
+several (PARALLEL_MIN), inputs they do not take, and the fallback when they cannot run."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from swiftkv_fast.kernels import cpu_compile, cpu_ops
+from swiftkv_fast.model import layers
+
+needs_compiler = pytest.mark.skipif(
+    cpu_compile.compiler() is None or not cpu_ops.enabled(),
+    reason="no C compiler (or SWIFTKV_CPU_OPS_KERNEL=0): the compiled CPU ops are off",
+)
+# small calls run on one thread, large ones on every thread: both sides of PARALLEL_MIN
+ROWS = [1, 16, 2 * cpu_ops.PARALLEL_MIN // 64 + 3]
+
+
+def torch_rms_norm(x, w, eps):
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm_matches_torch(rows, with_delta):
+    g = torch.Generator().manual_seed(rows)
+    wide = torch.randn(rows, 100, generator=g)
+    h = wide[:, 10:74]  # rows 100 apart: the kernel takes any row stride
+    delta = torch.randn(rows, 64, generator=g) if with_delta else None
+    w = torch.randn(64, generator=g)
+    want_h = h + delta if with_delta else h.clone()
+    want = torch_rms_norm(want_h, w, 1e-5)
+    untouched = wide[:, :10].clone()
+    got = cpu_ops.add_rms_norm(h, delta, w, 1e-5)
+    assert got is not None and got.is_contiguous()
+    torch.testing.assert_close(h, want_h, rtol=0, atol=0)  # the residual add is exact and in place
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(wide[:, :10], untouched)  # nothing outside the view is written
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows", ROWS)
+def test_silu_and_mul_matches_torch(rows):
+    g = torch.Generator().manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * 48 + 8, generator=g)[:, :96] * 6  # strided rows; large |x| too
+    gate_up[0, 0], gate_up[0, 1] = -200.0, 200.0  # far outside exp's range: silu -> 0 and -> x
+    want = F.silu(gate_up[:, :48]) * gate_up[:, 48:]
+    got = cpu_ops.silu_and_mul(gate_up)
+    assert got is not None and got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows", ROWS)
+def test_rope_in_place_matches_apply_rope(rows):
+    g = torch.Generator().manual_seed(rows)
+    table = layers.RotaryTable(1.0 / (10000 ** (torch.arange(0, 32, 2) / 32)), 4096, torch.device("cpu"))
+    qkv = torch.randn(rows, 7 * 32, generator=g)  # 5 q/k heads rotated, 2 v heads left alone
+    positions = torch.randint(0, 4096, (rows,), generator=g)
+    x = qkv[:, : 5 * 32].view(rows, 5, 32)
+    want = layers.apply_rope(x, *table.lookup(positions))
+    v_before = qkv[:, 5 * 32 :].clone()
+    assert cpu_ops.rope_(x, positions, table.cos, table.sin)
+    torch.testing.assert_close(x, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(qkv[:, 5 * 32 :], v_before)
+
+
+@needs_compiler
+def test_rope_position_outside_the_table_raises_and_writes_nothing():
+    table = layers.RotaryTable(torch.ones(4), 10, torch.device("cpu"))
+    x = torch.randn(3, 2, 8)
+    before = x.clone()
+    with pytest.raises(ValueError, match="outside the table of 10"):
+        cpu_ops.rope_(x, torch.tensor([0, 10, 1]), table.cos, table.sin)
+    assert torch.equal(x, before)
+
+
+def test_inputs_the_kernels_do_not_take_are_left_to_torch():
+    w = torch.randn(8)
+    h16 = torch.randn(4, 8).to(torch.bfloat16)
+    assert cpu_ops.add_rms_norm(h16, None, w, 1e-5) is None  # bf16
+    assert cpu_ops.add_rms_norm(torch.randn(8, 4).t(), None, w, 1e-5) is None  # columns, not rows
+    assert cpu_ops.silu_and_mul(torch.randn(4, 7)) is None  # odd width
+    x = torch.randn(3, 2, 8)[:, :, :6]  # heads not dense within a token
+    assert not cpu_ops.rope_(x, torch.zeros(3, dtype=torch.int64), torch.ones(1, 3), torch.ones(1, 3))
+
+
+@pytest.mark.parametrize("switch", ["env", "failed-build"])
+def test_layers_fall_back_to_torch_with_one_warning(switch, monkeypatch, caplog):
+    monkeypatch.setattr(cpu_compile, "_built", {})
+    if switch == "env":
+        monkeypatch.setenv(cpu_ops.ENV_SWITCH, "0")
+    else:
+        monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    g = torch.Generator().manual_seed(0)
+    h, delta, w = torch.randn(5, 16, generator=g), torch.randn(5, 16, generator=g), torch.randn(16, generator=g)
+    table = layers.RotaryTable(torch.ones(4), 10, torch.device("cpu"))
+    with caplog.at_level(logging.WARNING, logger="swiftkv_fast"):
+        for _ in range(2):
+            assert cpu_ops.add_rms_norm(h, delta, w, 1e-5) is None
+            want_h = h + delta
+            got = layers.add_rms_norm(h, delta, w, 1e-5)
+            torch.testing.assert_close(h, want_h)
+            torch.testing.assert_close(got, torch_rms_norm(want_h, w, 1e-5))
+            gu = torch.randn(5, 32, generator=g)
+            torch.testing.assert_close(layers.silu_and_mul(gu.clone()), F.silu(gu[:, :16]) * gu[:, 16:])
+            x = torch.randn(5, 2, 8, generator=g)
+            pos = torch.arange(5)
+            want = layers.apply_rope(x, *table.lookup(pos))
+            torch.testing.assert_close(table.at(pos).apply_(x), want)
+    warnings = [r.message for r in caplog.records]
+    assert len(warnings) == (0 if switch == "env" else 1)
+    if warnings:
+        assert "did not build" in warnings[0]

@@ -151,6 +151,7 @@ def machine_info() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         **blas_info(),
         "linear_kernels": kernels["linear_kernels"],
+        "malloc_tuned": _malloc_tuned(),
         "device": "cuda" if torch.cuda.is_available() else "cpu",
         "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "git_commit": _git_commit(),
@@ -162,6 +163,14 @@ def machine_info() -> dict[str, Any]:
     except ImportError:
         info["transformers"] = None
     return info
+
+
+def _malloc_tuned() -> bool:
+    """Whether an engine in this process raised glibc's malloc thresholds (swiftkv_fast.worker.host_allocator):
+    every system measured in the process, transformers included, then runs with that allocator."""
+    from swiftkv_fast.worker import host_allocator
+
+    return host_allocator.tuned()
 
 
 def blas_info() -> dict[str, Any]:
@@ -193,6 +202,11 @@ def machine_summary(info: dict[str, Any]) -> list[str]:
         + f"), {info['cpu_capability']}; torch {info['torch']}, BLAS {info['blas']} (MKL {info['mkl']}), "
         f"oneDNN {info['onednn']}" + ("" if info["onednn_available"] else " (unavailable)")
     ]
+    if info.get("malloc_tuned"):
+        lines.append(
+            "malloc: glibc keeps freed memory for reuse (set by the engine; every system in this process, "
+            "transformers included, runs with it)"
+        )
     kernels = info.get("linear_kernels") or {}
     if kernels:
         lines.append("linear kernels: " + "; ".join(f"{k}: {v}" for k, v in kernels.items()))

@@ -1,7 +1,9 @@
 """Every benchmark's JSON and table header name the machine: CPU model, cores, torch, BLAS and oneDNN,
-and the engine's linear kernel per layer shape."""
+the engine's linear kernel per layer shape, and whether malloc was tuned in the process."""
 
 from __future__ import annotations
+
+import platform
 
 from bench import engine, harness, report
 
@@ -19,3 +21,6 @@ def test_machine_info_names_cpu_blas_and_the_kernel_choices(capsys, tmp_path):
     header = capsys.readouterr().out
     assert f"machine: {info['cpu_model']}, {info['cpu_count']} CPUs" in header
     assert "torch " + info["torch"] in header and "gate_up (192x64): matmul" in header
+    # the engine tuned this process's malloc (glibc), and the header says every system here shares it
+    assert info["malloc_tuned"] == (platform.libc_ver()[0] == "glibc")
+    assert ("malloc: glibc keeps freed memory" in header) == info["malloc_tuned"]

@@ -93,6 +93,7 @@ def test_inputs_the_kernels_do_not_take_are_left_to_torch():
 @pytest.mark.parametrize("switch", ["env", "failed-build"])
 def test_layers_fall_back_to_torch_with_one_warning(switch, monkeypatch, caplog):
     monkeypatch.setattr(cpu_compile, "_built", {})
+    monkeypatch.setattr(cpu_ops, "_resolved", [])
     if switch == "env":
         monkeypatch.setenv(cpu_ops.ENV_SWITCH, "0")
     else:
@@ -117,3 +118,38 @@ def test_layers_fall_back_to_torch_with_one_warning(switch, monkeypatch, caplog)
     assert len(warnings) == (0 if switch == "env" else 1)
     if warnings:
         assert "did not build" in warnings[0]
+
+
+def _index_copy_write(kv_cache, k, v, slot_mapping):
+    """The torch backend's portable write: the specification of cpu_ops.write_kv."""
+    n_layers, _, num_blocks, block_size = kv_cache.shape[:4]
+    flat = kv_cache.view(n_layers, 2, num_blocks * block_size, *kv_cache.shape[4:])
+    valid = slot_mapping >= 0
+    flat[:, 0].index_copy_(1, slot_mapping[valid], k[valid].transpose(0, 1))
+    flat[:, 1].index_copy_(1, slot_mapping[valid], v[valid].transpose(0, 1))
+
+
+@needs_compiler
+@pytest.mark.parametrize("tokens", [1, 16, 700])
+def test_write_kv_matches_index_copy(tokens):
+    g = torch.Generator().manual_seed(tokens)
+    engine_cache = torch.randn(5, 2, 90, 8, 3, 16, generator=g)  # 5 slots, 90 blocks of 8
+    kv_cache = engine_cache[1:4]  # a run of 3 cache layers, as the SwiftKV write passes it
+    slots = torch.randperm(90 * 8, generator=g)[:tokens]
+    slots[::5] = -1  # skipped tokens (padding)
+    qkv = torch.randn(tokens, 2, 3 * 6 * 16, generator=g)  # K/V as strided views of a wider output
+    k = qkv[:, 0].view(tokens, 6, 3, 16)[:, ::2]  # (T, 3 layers, kv_heads, head_dim), layers 2 apart
+    v = qkv[:, 1].view(tokens, 6, 3, 16)[:, 1::2]
+    want = engine_cache.clone()
+    _index_copy_write(want[1:4], k, v, slots)
+    assert cpu_ops.write_kv(kv_cache, k, v, slots)
+    assert torch.equal(engine_cache, want)  # exact copies, and nothing outside the slots or layers
+
+
+@needs_compiler
+def test_write_kv_slot_outside_the_cache_raises_and_writes_nothing():
+    kv_cache = torch.zeros(1, 2, 4, 2, 1, 8)
+    k = v = torch.ones(2, 1, 1, 8)
+    with pytest.raises(ValueError, match="outside the cache of 8"):
+        cpu_ops.write_kv(kv_cache, k, v, torch.tensor([3, 8]))
+    assert not kv_cache.any()

@@ -14,6 +14,9 @@ heads of one KV head as that head's queries: (R, kv_heads, group, D) against (R,
 so K/V are never repeated. Requests are attended in chunks whose gathered K/V fit in L2
 (DECODE_CHUNK_BYTES), so SDPA reads them from cache rather than memory.
 
+KV writes on CPU in fp32 copy each token's rows to its slot in one C call (kernels/cpu_ops.py
+write_kv); elsewhere two index_copy_ calls.
+
 Prompt rows on CPU: one padded SDPA call computes R x max_q x max_kv scores (causal without a mask
 tensor only when every prompt is fresh and there is no window; otherwise under a mask, which SDPA runs
 about 1.35x slower per score). One call per request computes only its own n x s scores, causal where
@@ -35,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from swiftkv_fast.attention.base import AttentionBackend, AttentionMetadata, ranges
-from swiftkv_fast.kernels import cpu_decode
+from swiftkv_fast.kernels import cpu_decode, cpu_ops
 
 
 def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_kv: int) -> torch.Tensor:
@@ -191,6 +194,8 @@ class TorchBackend(AttentionBackend):
 
     def write_kv(self, kv_cache, k, v, slot_mapping):
         # kv_cache: (n_layers, 2, num_blocks, block_size, kv_heads, head_dim); k, v: (T, n_layers, kvh, hd)
+        if kv_cache.device.type == "cpu" and cpu_ops.write_kv(kv_cache, k, v, slot_mapping):
+            return  # a C copy per row: a decode step's 16 rows cost ~0.1 ms of torch calls per layer
         n_layers, _, num_blocks, block_size = kv_cache.shape[:4]
         flat = kv_cache.view(n_layers, 2, num_blocks * block_size, *kv_cache.shape[4:])
         slot_mapping = slot_mapping.long()

@@ -78,7 +78,10 @@ def load(
 ) -> dict[str, ctypes._CFuncPtr] | None:
     """The functions `symbols` ({symbol: argtypes}, each returning int) of `source` compiled with
     `defines`; built at the first call per (name, defines), None when it cannot be built or loaded."""
-    key = (name, tuple(sorted(defines.items())))
+    key = (name, *defines.items())
+    functions = _built.get(key, _built)  # the dict itself: not built yet (a lock-free look first)
+    if functions is not _built:
+        return functions
     with _lock:
         if key not in _built:
             _built[key] = _build(name, source, defines, symbols)

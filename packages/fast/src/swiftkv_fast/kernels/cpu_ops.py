@@ -1,6 +1,6 @@
 """The model's small ops on CPU in fp32 as compiled C kernels: RMSNorm (with the residual add fused in
 front), SiLU-and-mul and in-place RoPE (model/layers.py calls them; the torch ops stay the portable
-path and the specification).
+path and the specification), and the KV cache write by slot (the torch attention backend's write_kv).
 
 Each reads its input once and writes its output once, where the torch ops make two to four passes
 over the rows, and allocate a fresh output per op. A step of 16 decode rows spends most of those ops'
@@ -27,6 +27,7 @@ PARALLEL_MIN = 1 << 16  # elements below which a call runs on one thread (a para
 SOURCE = cpu_compile.EXPF + r"""
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 /* h: (T, H), rows h_stride apart; d: NULL, or (T, H) rows d_stride apart that are added to h first
    (in place: h += d); w: (H,); out: (T, H) contiguous = h * rsqrt(mean(h^2) + eps) * w. */
@@ -85,6 +86,27 @@ int swiftkv_rope(float *x, int64_t x_stride, int64_t T, int64_t heads, int64_t D
     }
     return 0;
 }
+
+/* The K/V rows of T tokens for n_layers cache layers written to their slots. cache: layer l's K row of
+   slot s at cache + l * layer_stride + s * row, its V row kv_stride further; k, v: token t's row of
+   layer l at k + t * k_ts + l * k_ls (same for v), each `row` values dense; slots: (T,) int64, a
+   negative slot is skipped. Returns 1 (nothing written) when a slot is >= num_slots. */
+int swiftkv_write_kv(float *cache, int64_t layer_stride, int64_t kv_stride, int64_t num_slots, int64_t row,
+                     const float *k, int64_t k_ts, int64_t k_ls, const float *v, int64_t v_ts, int64_t v_ls,
+                     const int64_t *slots, int64_t T, int64_t n_layers, int num_threads) {
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] >= num_slots) return 1;
+    #pragma omp parallel for num_threads(num_threads) if (T * n_layers * row >= PARALLEL_MIN)
+    for (int64_t t = 0; t < T; t++) {
+        if (slots[t] < 0) continue;
+        for (int64_t l = 0; l < n_layers; l++) {
+            float *kc = cache + l * layer_stride + slots[t] * row, *vc = kc + kv_stride;
+            memcpy(kc, k + t * k_ts + l * k_ls, sizeof(float) * row);
+            memcpy(vc, v + t * v_ts + l * v_ls, sizeof(float) * row);
+        }
+    }
+    return 0;
+}
 """
 
 _P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -95,6 +117,8 @@ SYMBOLS = {
     "swiftkv_silu_and_mul": [_P, _I64, _P, _I64, _I64, _INT],
     # x, x_stride, T, heads, D, positions, cos, sin, max_pos, num_threads
     "swiftkv_rope": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _INT],
+    # cache, layer_stride, kv_stride, num_slots, row, k, k_ts, k_ls, v, v_ts, v_ls, slots, T, n_layers, threads
+    "swiftkv_write_kv": [_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _INT],
 }
 
 
@@ -102,10 +126,19 @@ def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") != "0"
 
 
+_resolved: list = []  # [the kernels or None], once per process: every op of every step asks
+
+
 def _kernels() -> dict | None:
-    if not enabled():
-        return None
-    return cpu_compile.load("cpu-ops", SOURCE, {"PARALLEL_MIN": PARALLEL_MIN}, SYMBOLS)
+    if not _resolved:
+        on = enabled()
+        _resolved.append(cpu_compile.load("cpu-ops", SOURCE, {"PARALLEL_MIN": PARALLEL_MIN}, SYMBOLS) if on else None)
+    return _resolved[0]
+
+
+def reset() -> None:
+    """Forget which kernels this process resolved (after changing SWIFTKV_CPU_OPS_KERNEL or $CC)."""
+    _resolved.clear()
 
 
 def _rows(t: torch.Tensor) -> bool:
@@ -186,4 +219,47 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
     )
     if status == 1:
         raise ValueError(f"RoPE: a position (max {int(positions.max())}) is outside the table of {cos.shape[0]}")
+    return True
+
+
+def _dense_rows(t: torch.Tensor) -> bool:
+    """(T, n_layers, kv_heads, head_dim) with each (token, layer) row of kv_heads * head_dim dense."""
+    return t.dim() == 4 and t.stride(3) == 1 and t.stride(2) == t.shape[3]
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """The backend's write_kv (attention/base.py): kv_cache (n_layers, 2, num_blocks, block_size, kv_heads,
+    head_dim), k, v (T, n_layers, kv_heads, head_dim), slot_mapping (T,), -1 = skip. False (nothing
+    written) when it does not apply; ValueError for a slot outside the cache."""
+    n_layers, _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+    row = kv_heads * head_dim
+    if kv_cache.device.type != "cpu" or not kv_cache.dtype == k.dtype == v.dtype == torch.float32:
+        return False
+    if kv_cache.stride()[2:] != (block_size * row, row, head_dim, 1) or not (_dense_rows(k) and _dense_rows(v)):
+        return False
+    if k.shape != v.shape or k.shape[1:] != (n_layers, kv_heads, head_dim) or k.shape[0] != slot_mapping.shape[0]:
+        return False
+    kernels = _kernels()
+    if kernels is None:
+        return False
+    slots = slot_mapping.to(torch.int64).contiguous()
+    status = kernels["swiftkv_write_kv"](
+        kv_cache.data_ptr(),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        num_blocks * block_size,
+        row,
+        k.data_ptr(),
+        k.stride(0),
+        k.stride(1),
+        v.data_ptr(),
+        v.stride(0),
+        v.stride(1),
+        slots.data_ptr(),
+        k.shape[0],
+        n_layers,
+        torch.get_num_threads(),
+    )
+    if status == 1:
+        raise ValueError(f"write_kv: a slot (max {int(slots.max())}) is outside the cache of {num_blocks * block_size}")
     return True

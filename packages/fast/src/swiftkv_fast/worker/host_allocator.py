@@ -59,3 +59,8 @@ def tune_for_inference() -> bool:
         ENV_SWITCH,
     )
     return True
+
+
+def tuned() -> bool:
+    """Whether this process's malloc was tuned (by an engine started here)."""
+    return bool(_applied)

@@ -104,3 +104,18 @@ def test_kv_memory_acrosskv(tiny):
     kv = llm.llm_engine.runner.kv_cache
     assert tuple(kv.shape) == (3, 2, 10, 16, cfg.num_key_value_heads, cfg.head_dim)
     torch.testing.assert_close(kv, torch.zeros_like(kv))
+
+
+@pytest.mark.parametrize("name", ["swiftkv_g2", "hybrid_swiftkv"])
+def test_portable_ops_match_reference(tiny, name, monkeypatch):
+    """The torch code of every op the C kernels replace on CPU (the path CUDA and compiler-less
+    machines run): RMSNorm + residual, SiLU-and-mul, RoPE, the KV write and decode attention."""
+    from swiftkv_fast.kernels import cpu_decode, cpu_ops
+
+    monkeypatch.setattr(cpu_ops, "_resolved", [None])
+    monkeypatch.setenv(cpu_decode.ENV_SWITCH, "0")
+    cfg, state, model = tiny(**TINY_MODELS[name])
+    llm = LLM.from_state_dict(cfg, state, return_logits=True, block_size=4, max_num_batched_tokens=90)
+    prompts = random_prompts(4, cfg.vocab_size, LENGTHS[:4], seed=7)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    _check(llm, model, prompts, outs)

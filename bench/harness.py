@@ -166,8 +166,8 @@ def machine_info() -> dict[str, Any]:
 
 
 def _malloc_tuned() -> bool:
-    """Whether an engine in this process raised glibc's malloc thresholds (swiftkv_fast.worker.host_allocator):
-    every system measured in the process, transformers included, then runs with that allocator."""
+    """Whether an engine in this process raised glibc's malloc thresholds (worker/host_allocator.py of
+    swiftkv_fast): every system measured in the process, transformers included, then runs with it."""
     from swiftkv_fast.worker import host_allocator
 
     return host_allocator.tuned()

@@ -99,7 +99,11 @@ def test_layers_fall_back_to_torch_with_one_warning(switch, monkeypatch, caplog)
     else:
         monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
     g = torch.Generator().manual_seed(0)
-    h, delta, w = torch.randn(5, 16, generator=g), torch.randn(5, 16, generator=g), torch.randn(16, generator=g)
+    h, delta, w = (
+        torch.randn(5, 16, generator=g),
+        torch.randn(5, 16, generator=g),
+        torch.randn(16, generator=g),
+    )
     table = layers.RotaryTable(torch.ones(4), 10, torch.device("cpu"))
     with caplog.at_level(logging.WARNING, logger="swiftkv_fast"):
         for _ in range(2):

@@ -117,5 +117,7 @@ def test_portable_ops_match_reference(tiny, name, monkeypatch):
     cfg, state, model = tiny(**TINY_MODELS[name])
     llm = LLM.from_state_dict(cfg, state, return_logits=True, block_size=4, max_num_batched_tokens=90)
     prompts = random_prompts(4, cfg.vocab_size, LENGTHS[:4], seed=7)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False
+    )
     _check(llm, model, prompts, outs)

@@ -119,5 +119,7 @@ def _build(name: str, source: str, defines: dict[str, int], symbols: dict[str, l
             "OpenMP" if openmp else "one thread",
         )
         return functions
-    logger.warning("%s: the C kernel did not build (%s); using the portable torch path", what, " / ".join(errors))
+    logger.warning(
+        "%s: the C kernel did not build (%s); using the portable torch path", what, " / ".join(errors)
+    )
     return None

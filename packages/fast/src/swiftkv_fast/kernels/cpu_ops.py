@@ -24,7 +24,9 @@ from swiftkv_fast.kernels import cpu_compile
 ENV_SWITCH = "SWIFTKV_CPU_OPS_KERNEL"
 PARALLEL_MIN = 1 << 16  # elements below which a call runs on one thread (a parallel region costs ~us)
 
-SOURCE = cpu_compile.EXPF + r"""
+SOURCE = (
+    cpu_compile.EXPF
+    + r"""
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -108,6 +110,7 @@ int swiftkv_write_kv(float *cache, int64_t layer_stride, int64_t kv_stride, int6
     return 0;
 }
 """
+)
 
 _P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 SYMBOLS = {
@@ -117,7 +120,7 @@ SYMBOLS = {
     "swiftkv_silu_and_mul": [_P, _I64, _P, _I64, _I64, _INT],
     # x, x_stride, T, heads, D, positions, cos, sin, max_pos, num_threads
     "swiftkv_rope": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _INT],
-    # cache, layer_stride, kv_stride, num_slots, row, k, k_ts, k_ls, v, v_ts, v_ls, slots, T, n_layers, threads
+    # cache, layer_stride, kv_stride, num_slots, row, k, k_ts, k_ls, v, v_ts, v_ls, slots, T, layers, threads
     "swiftkv_write_kv": [_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _INT],
 }
 
@@ -132,7 +135,9 @@ _resolved: list = []  # [the kernels or None], once per process: every op of eve
 def _kernels() -> dict | None:
     if not _resolved:
         on = enabled()
-        _resolved.append(cpu_compile.load("cpu-ops", SOURCE, {"PARALLEL_MIN": PARALLEL_MIN}, SYMBOLS) if on else None)
+        _resolved.append(
+            cpu_compile.load("cpu-ops", SOURCE, {"PARALLEL_MIN": PARALLEL_MIN}, SYMBOLS) if on else None
+        )
     return _resolved[0]
 
 
@@ -218,7 +223,9 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
         torch.get_num_threads(),
     )
     if status == 1:
-        raise ValueError(f"RoPE: a position (max {int(positions.max())}) is outside the table of {cos.shape[0]}")
+        raise ValueError(
+            f"RoPE: a position (max {int(positions.max())}) is outside the table of {cos.shape[0]}"
+        )
     return True
 
 
@@ -235,9 +242,15 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     row = kv_heads * head_dim
     if kv_cache.device.type != "cpu" or not kv_cache.dtype == k.dtype == v.dtype == torch.float32:
         return False
-    if kv_cache.stride()[2:] != (block_size * row, row, head_dim, 1) or not (_dense_rows(k) and _dense_rows(v)):
+    if kv_cache.stride()[2:] != (block_size * row, row, head_dim, 1) or not (
+        _dense_rows(k) and _dense_rows(v)
+    ):
         return False
-    if k.shape != v.shape or k.shape[1:] != (n_layers, kv_heads, head_dim) or k.shape[0] != slot_mapping.shape[0]:
+    if (
+        k.shape != v.shape
+        or k.shape[1:] != (n_layers, kv_heads, head_dim)
+        or k.shape[0] != slot_mapping.shape[0]
+    ):
         return False
     kernels = _kernels()
     if kernels is None:
@@ -261,5 +274,7 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
         torch.get_num_threads(),
     )
     if status == 1:
-        raise ValueError(f"write_kv: a slot (max {int(slots.max())}) is outside the cache of {num_blocks * block_size}")
+        raise ValueError(
+            f"write_kv: a slot (max {int(slots.max())}) is outside the cache of {num_blocks * block_size}"
+        )
     return True

@@ -44,7 +44,10 @@ def tune_for_inference() -> bool:
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, THRESHOLD) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, THRESHOLD) == 1
+        ok = (
+            libc.mallopt(_M_MMAP_THRESHOLD, THRESHOLD) == 1
+            and libc.mallopt(_M_TRIM_THRESHOLD, THRESHOLD) == 1
+        )
     except (OSError, AttributeError) as e:
         logger.warning("host allocator: mallopt is not available (%s); malloc left as it is", e)
         return False

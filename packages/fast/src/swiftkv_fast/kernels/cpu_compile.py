@@ -61,7 +61,8 @@ static inline float swiftkv_expf(float x) {
 """
 
 _lock = threading.Lock()
-_built: dict[tuple, dict[str, ctypes._CFuncPtr] | None] = {}
+_built: dict[tuple, dict[str, ctypes._CFuncPtr] | None] = {}  # None: it did not build here
+_NOT_BUILT = object()
 
 
 def compiler() -> str | None:
@@ -79,8 +80,8 @@ def load(
     """The functions `symbols` ({symbol: argtypes}, each returning int) of `source` compiled with
     `defines`; built at the first call per (name, defines), None when it cannot be built or loaded."""
     key = (name, *defines.items())
-    functions = _built.get(key, _built)  # the dict itself: not built yet (a lock-free look first)
-    if functions is not _built:
+    functions = _built.get(key, _NOT_BUILT)  # a lock-free look first: every step's ops ask
+    if functions is not _NOT_BUILT:
         return functions
     with _lock:
         if key not in _built:

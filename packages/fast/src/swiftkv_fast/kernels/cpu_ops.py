@@ -8,8 +8,9 @@ time in dispatch (about 60 torch calls a layer); a 4,096-token prefill step spen
 (silu_and_mul's output, for one, is a strided view that the next GEMM copies again). Rows are split
 over torch's OpenMP threads when a call has at least PARALLEL_MIN elements, else run on one.
 
-Built at first use by kernels/cpu_compile.py; without a compiler, or with SWIFTKV_CPU_OPS_KERNEL=0,
-every wrapper returns None and model/layers.py runs the torch ops.
+Built at first use by kernels/cpu_compile.py; without a compiler, or with SWIFTKV_CPU_OPS_KERNEL=0
+(read once, at the process's first op), every wrapper returns None and model/layers.py runs the
+torch ops.
 """
 
 from __future__ import annotations
@@ -139,11 +140,6 @@ def _kernels() -> dict | None:
             cpu_compile.load("cpu-ops", SOURCE, {"PARALLEL_MIN": PARALLEL_MIN}, SYMBOLS) if on else None
         )
     return _resolved[0]
-
-
-def reset() -> None:
-    """Forget which kernels this process resolved (after changing SWIFTKV_CPU_OPS_KERNEL or $CC)."""
-    _resolved.clear()
 
 
 def _rows(t: torch.Tensor) -> bool:

@@ -41,23 +41,22 @@ class Linear:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # x: (T, hidden) -> (T, hidden)
-    if x.device.type == "cpu" and (out := cpu_ops.add_rms_norm(x, None, weight, eps)) is not None:
-        return out
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one fused pass; same math in fp32
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    return add_rms_norm(x, None, weight, eps)
 
 
 def add_rms_norm(
     h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
     """A residual add, then the next norm: h += delta in place (no add when delta is None), returns
-    rms_norm(h). h, delta: (T, hidden)."""
+    RMSNorm(h) * weight as a new tensor. h, delta: (T, hidden)."""
     if h.device.type == "cpu" and (out := cpu_ops.add_rms_norm(h, delta, weight, eps)) is not None:
         return out
-    return rms_norm(h if delta is None else h.add_(delta), weight, eps)
+    x = h if delta is None else h.add_(delta)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one fused pass; same math in fp32
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

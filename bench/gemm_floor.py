@@ -21,6 +21,9 @@ Is the floor the hardware's, or one library's? `workload_flops` counts the floor
 (2 * rows * in * out per call) and `peak_gflops` measures this machine's best fp32 GEMM rate: one
 large square product through every linear kernel the engine can choose from. The floor's own rate
 (flops / seconds) as a share of that peak says how much faster any fp32 GEMM could make it here.
+`fma_peak_gflops` goes below every library: independent vector FMAs on registers on every thread
+(no loads, no stores), the rate no fp32 code can exceed on this machine. The floor's FLOPs at that
+rate give the hardware's ceiling, which no GEMM library, however tuned, can raise.
 """
 
 from __future__ import annotations
@@ -98,6 +101,62 @@ def workload_flops(llm, prompts: list[list[int]], output_len: int) -> int:
 
     _replay(llm, prompts, output_len, count)
     return total
+
+
+# 12 independent FMA chains of the widest vectors this machine has per thread: enough to keep two FMA
+# units of 4-cycle latency busy, few enough to stay in registers
+FMA_SOURCE = r"""
+#include <stdint.h>
+#ifdef __AVX512F__
+#define W 16
+#else
+#define W 8
+#endif
+typedef float vec __attribute__((vector_size(4 * W)));
+
+int swiftkv_fma_peak(int64_t iters, float *sink, int num_threads) {
+    #pragma omp parallel num_threads(num_threads)
+    {
+        vec a[12];
+        const vec b = (vec){0} + 0.9999999f, c = (vec){0} + 1e-7f;
+        for (int k = 0; k < 12; k++) a[k] = (vec){0} + (float)(k + 1);
+        for (int64_t i = 0; i < iters; i++)
+            for (int k = 0; k < 12; k++) a[k] = a[k] * b + c;
+        float total = 0.f;
+        for (int k = 0; k < 12; k++)
+            for (int j = 0; j < W; j++) total += a[k][j];
+        #pragma omp atomic
+        sink[0] += total;
+    }
+    return W;
+}
+"""
+
+
+def fma_peak_gflops(seconds: float = 0.2, repeats: int = 3) -> float | None:
+    """fp32 GFLOP/s of vector FMAs on registers on all of torch's threads (best of `repeats` runs of
+    about `seconds`); None without a C compiler."""
+    import ctypes
+
+    from swiftkv_fast.kernels import cpu_compile
+
+    argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    functions = cpu_compile.load("fma-peak", FMA_SOURCE, {}, {"swiftkv_fma_peak": argtypes})
+    if functions is None:
+        return None
+    fn, threads, sink = functions["swiftkv_fma_peak"], torch.get_num_threads(), torch.zeros(1)
+
+    def rate(iters: int) -> tuple[float, float]:
+        start = time.perf_counter()
+        width = fn(iters, sink.data_ptr(), threads)
+        elapsed = time.perf_counter() - start
+        return elapsed, 2 * 12 * width * iters * threads / elapsed / 1e9
+
+    iters = 1 << 16
+    while rate(iters)[0] < seconds / 4:
+        iters *= 2
+    iters = int(iters * seconds / rate(iters)[0])
+    return max(rate(iters)[1] for _ in range(repeats))
 
 
 @torch.inference_mode()

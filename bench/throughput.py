@@ -82,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
 
     runners = _systems(systems)
     peak = gemm_floor.peak_gflops() if runners.floor_llms else {}
+    fma_peak = gemm_floor.fma_peak_gflops() if runners.floor_llms else None
     tables, rows = [], []
     for name in mixes:
         prompts, output_len = mix_prompts(table_of[name], runners.vocab_size, args.seed)
@@ -100,13 +101,20 @@ def run(args: argparse.Namespace) -> int:
                 row["gflops_per_second"] = Stats.of([flops / x.seconds / 1e9 for x in samples[row["system"]]])
         if BASELINE in samples:
             base = samples[BASELINE]
+            for row in mix_rows:
+                if "flops" in row and fma_peak:
+                    # the floor's products at the FMA peak: no fp32 engine can finish sooner here
+                    row["hardware_seconds"] = row["flops"] / fma_peak / 1e9
+                    row["hardware_ceiling_vs_hf_generate"] = Stats.of(
+                        [x.seconds / row["hardware_seconds"] for x in base]
+                    )
             for row, s in zip(mix_rows, cases):
                 row["output_tps_vs_hf_generate"] = paired_ratio(
                     [x.metrics["output_tokens"] / x.seconds for x in samples[s]],
                     [x.metrics["output_tokens"] / x.seconds for x in base],
                 )
         rows += mix_rows
-        tables.append(_table(name, table_of[name], mix_rows, repeat, peak))
+        tables.append(_table(name, table_of[name], mix_rows, repeat, peak, fma_peak))
         if args.profile:
             for row in mix_rows:
                 if row["system"] in runners.llms:
@@ -125,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "profile": args.profile,
         "peak_gemm_gflops": peak,
+        "peak_fma_gflops": fma_peak,
     }
     json_path = report.write_json(args.out, "throughput", settings, rows)
     png_path = plot(rows, mixes, runners.available, args.out)
@@ -255,7 +264,9 @@ def summarize(mix: str, system: str, samples: list[Sample]) -> dict:
     return row
 
 
-def _table(name: str, mix: tuple, rows: list[dict], repeat: int, peak: dict[str, float]) -> report.Table:
+def _table(
+    name: str, mix: tuple, rows: list[dict], repeat: int, peak: dict[str, float], fma_peak: float | None
+) -> report.Table:
     num, mean_len, output_len, jitter = mix
     length = f"~{mean_len}" if jitter else str(mean_len)
     t = report.Table(
@@ -299,6 +310,13 @@ def _table(name: str, mix: tuple, rows: list[dict], repeat: int, peak: dict[str,
             t.notes.append(
                 f"{r['system']}: {r['flops'] / 1e9:.0f} GFLOP at {rate:.0f} GFLOP/s, {share:.0f}% of this "
                 f"machine's fp32 GEMM peak ({peak[best]:.0f} GFLOP/s: 2048^3 through {best})."
+            )
+        if "hardware_ceiling_vs_hf_generate" in r:
+            t.notes.append(
+                f"{r['system']} at this machine's fp32 FMA peak ({fma_peak:.0f} GFLOP/s: vector FMAs on "
+                f"registers, every thread) would take {r['hardware_seconds']:.1f} s: "
+                f"{r['hardware_ceiling_vs_hf_generate'].median:.2f}x hf-generate, the hardware's ceiling "
+                "for any fp32 engine computing these products."
             )
     return t
 

@@ -66,3 +66,14 @@ def test_peak_gflops_measures_every_kernel_that_runs_here():
     rates = gemm_floor.peak_gflops(size=64, repeats=1)
     assert rates and set(rates) <= set(KERNELS) and "linear" in rates
     assert all(r > 0 for r in rates.values())
+
+
+def test_fma_peak_is_a_rate_and_none_without_a_compiler(monkeypatch):
+    from swiftkv_fast.kernels import cpu_compile
+
+    if cpu_compile.compiler() is None:
+        pytest.skip("no C compiler")
+    assert gemm_floor.fma_peak_gflops(seconds=0.01, repeats=1) > 0
+    monkeypatch.setattr(cpu_compile, "_built", {})
+    monkeypatch.setenv("CC", "false")
+    assert gemm_floor.fma_peak_gflops(seconds=0.01, repeats=1) is None

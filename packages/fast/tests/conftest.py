@@ -74,6 +74,35 @@ def reference_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[in
     return tokens, torch.stack(rows)
 
 
+def naive_decode(q, k_cache, v_cache, seq_lens, block_tables, window, scale):
+    # q: (R, H, D); one query per request at position seq_lens[r] - 1
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // kv_heads
+    out = []
+    for r, n in enumerate(seq_lens.tolist()):
+        pos = torch.arange(n)
+        slots = block_tables[r].long()[pos // block_size] * block_size + pos % block_size
+        k = k_cache.flatten(0, 1)[slots].repeat_interleave(group, 1).transpose(0, 1)  # (H, n, D)
+        v = v_cache.flatten(0, 1)[slots].repeat_interleave(group, 1).transpose(0, 1)
+        seen = pos > n - 1 - window if window is not None else torch.ones(n, dtype=torch.bool)
+        s = (q[r][:, None] @ k.transpose(1, 2))[:, 0] * scale  # (H, n)
+        p = torch.softmax(s.masked_fill(~seen, float("-inf")), -1)
+        out.append(torch.einsum("hn,hnd->hd", p, v))  # (H, D)
+    return torch.stack(out)
+
+
+def naive_prefill(q, k_cache, v_cache, q_lens, kv_lens, block_tables, window, scale):
+    # q: (T, H, D): request r's q_lens[r] queries at positions kv_lens[r] - q_lens[r], ..., kv_lens[r] - 1
+    out, start = [], 0
+    for r, (n, s) in enumerate(zip(q_lens, kv_lens)):
+        for i in range(n):
+            pos = s - n + i
+            out.append(naive_decode(q[start + i][None], k_cache, v_cache, torch.tensor([pos + 1]),
+                                    block_tables[r : r + 1], window, scale)[0])
+        start += n
+    return torch.stack(out)
+
+
 def random_prompts(n: int, vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]

@@ -1,11 +1,14 @@
-"""The torch backend's decode paths, the compiled C kernel (kernels/cpu_decode.py) and the portable
-one (gathered slots, grouped-query SDPA, per-step plan), against a naive per-request attention over the
-paged cache."""
+"""The torch backend: its decode paths (the compiled C kernel of kernels/cpu_decode.py and the portable
+one: gathered slots, grouped-query SDPA, per-step plan) and its SDPA prompt paths (per request and
+padded), against a naive per-request attention over the paged cache; the engine through every path."""
+
+import os
 
 import pytest
 import torch
+from conftest import naive_decode, naive_prefill
 from swiftkv_fast.attention import AttentionMetadata, TorchBackend
-from swiftkv_fast.kernels import cpu_decode
+from swiftkv_fast.kernels import cpu_compile, cpu_decode, cpu_prefill
 
 
 @pytest.fixture(params=["compiled", "gather"])
@@ -15,23 +18,6 @@ def backend(request):
     if cpu_decode.compiler() is None or not cpu_decode.enabled():
         pytest.skip("no C compiler (or SWIFTKV_CPU_DECODE_KERNEL=0): the compiled decode kernel is off")
     return TorchBackend()
-
-
-def naive_decode(q, k_cache, v_cache, seq_lens, block_tables, window, scale):
-    # q: (R, H, D); one query per request at position seq_lens[r] - 1
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = q.shape[1] // kv_heads
-    out = []
-    for r, n in enumerate(seq_lens.tolist()):
-        pos = torch.arange(n)
-        slots = block_tables[r].long()[pos // block_size] * block_size + pos % block_size
-        k = k_cache.flatten(0, 1)[slots].repeat_interleave(group, 1).transpose(0, 1)  # (H, n, D)
-        v = v_cache.flatten(0, 1)[slots].repeat_interleave(group, 1).transpose(0, 1)
-        seen = pos > n - 1 - window if window is not None else torch.ones(n, dtype=torch.bool)
-        s = (q[r][:, None] @ k.transpose(1, 2))[:, 0] * scale  # (H, n)
-        p = torch.softmax(s.masked_fill(~seen, float("-inf")), -1)
-        out.append(torch.einsum("hn,hnd->hd", p, v))  # (H, D)
-    return torch.stack(out)
 
 
 @pytest.mark.parametrize("window", [None, 5])
@@ -112,18 +98,6 @@ def test_per_request_prefill_pays_off_only_when_padding_costs_more_than_the_call
     assert not cost.per_request_is_faster([8, 8], [8, 8], heads=9, window=64)
 
 
-def naive_prefill(q, k_cache, v_cache, q_lens, kv_lens, block_tables, window, scale):
-    # q: (T, H, D): request r's q_lens[r] queries at positions kv_lens[r] - q_lens[r], ..., kv_lens[r] - 1
-    out, start = [], 0
-    for r, (n, s) in enumerate(zip(q_lens, kv_lens)):
-        for i in range(n):
-            pos = s - n + i
-            out.append(naive_decode(q[start + i][None], k_cache, v_cache, torch.tensor([pos + 1]),
-                                    block_tables[r : r + 1], window, scale)[0])
-        start += n
-    return torch.stack(out)
-
-
 def test_per_request_prefill_of_chunks_and_windows_matches_naive_attention(monkeypatch):
     """Prompt rows that continue a prompt, fresh ones, and windows that cut them: one SDPA call per
     request and the padded masked call both equal a naive attention over the paged cache."""
@@ -150,16 +124,18 @@ def test_per_request_prefill_of_chunks_and_windows_matches_naive_attention(monke
         want = naive_prefill(q, k_cache, v_cache, q_lens, kv_lens, block_tables, window, 0.3)
         for cost in (SdpaCost(0.0, 1.0, 1.0), SdpaCost(1.0, 0.0, 0.0)):  # per request; padded
             monkeypatch.setattr(torch_backend, "sdpa_cost", lambda *args, c=cost: c)
-            got = TorchBackend().prefill(q, k_cache, v_cache, meta, window, 0.3)
+            got = TorchBackend(compiled_prefill=False).prefill(q, k_cache, v_cache, meta, window, 0.3)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("per_request", [True, False])
-def test_fresh_prompts_of_different_lengths_either_way_match_the_reference(tiny_engine_case, per_request):
-    """One batch of fresh prompts of different lengths, with the per-request or the padded SDPA forced:
-    greedy tokens and logits as the reference's."""
+@pytest.mark.parametrize("path", ["per_request", "padded", "compiled"])
+def test_fresh_prompts_of_different_lengths_every_way_match_the_reference(tiny_engine_case, path):
+    """One batch of fresh prompts of different lengths, with the per-request or the padded SDPA forced,
+    or the compiled prefill kernel: greedy tokens and logits as the reference's."""
+    if path == "compiled" and (cpu_compile.compiler() is None or not cpu_prefill.enabled()):
+        pytest.skip("no C compiler (or SWIFTKV_CPU_PREFILL_KERNEL=0): the compiled prefill kernel is off")
     run, expected = tiny_engine_case
-    tokens, logits = run(per_request)
+    tokens, logits = run(path)
     assert tokens == expected[0]
     for got, want in zip(logits, expected[1]):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
@@ -180,15 +156,21 @@ def tiny_engine_case():
     refs = [reference_greedy(model, p, 4) for p in prompts]
     expected = ([t for t, _ in refs], [rows for _, rows in refs])
 
-    def run(per_request: bool):
-        forced = SdpaCost(0.0, 1.0, 1.0) if per_request else SdpaCost(1.0, 0.0, 0.0)
-        real = torch_backend.sdpa_cost
+    def run(path: str):
+        forced = SdpaCost(0.0, 1.0, 1.0) if path == "per_request" else SdpaCost(1.0, 0.0, 0.0)
+        real, env = torch_backend.sdpa_cost, os.environ.get(cpu_prefill.ENV_SWITCH)
         torch_backend.sdpa_cost = lambda *args: forced
+        if path != "compiled":
+            os.environ[cpu_prefill.ENV_SWITCH] = "0"
         try:
             llm = LLM.from_state_dict(cfg, state, return_logits=True, num_kv_blocks=64, max_model_len=128)
             outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         finally:
             torch_backend.sdpa_cost = real
+            if env is None:
+                os.environ.pop(cpu_prefill.ENV_SWITCH, None)
+            else:
+                os.environ[cpu_prefill.ENV_SWITCH] = env
         return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logits for o in outs]
 
     return run, expected

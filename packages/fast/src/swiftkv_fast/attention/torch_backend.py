@@ -17,7 +17,10 @@ so K/V are never repeated. Requests are attended in chunks whose gathered K/V fi
 KV writes on CPU in fp32 copy each token's rows to its slot in one C call (kernels/cpu_ops.py
 write_kv); elsewhere two index_copy_ calls.
 
-Prompt rows on CPU: one padded SDPA call computes R x max_q x max_kv scores (causal without a mask
+Prompt rows on CPU in fp32 run the compiled C kernel of kernels/cpu_prefill.py: every request's
+queries in tiles that read only the keys they see, straight from the blocks (about 3x faster than one
+SDPA call per request on a prefill-heavy step). Where it does not apply (no compiler, another dtype,
+`TorchBackend(compiled_prefill=False)`), one of two SDPA paths runs. Prompt rows: one padded SDPA call computes R x max_q x max_kv scores (causal without a mask
 tensor only when every prompt is fresh and there is no window; otherwise under a mask, which SDPA runs
 about 1.35x slower per score). One call per request computes only its own n x s scores, causal where
 that request is fresh, and reads only the keys inside its window, but pays the per-call overhead R
@@ -38,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from swiftkv_fast.attention.base import AttentionBackend, AttentionMetadata, ranges
-from swiftkv_fast.kernels import cpu_decode, cpu_ops
+from swiftkv_fast.kernels import cpu_decode, cpu_ops, cpu_prefill
 
 
 def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_kv: int) -> torch.Tensor:
@@ -189,8 +192,10 @@ class TorchBackend(AttentionBackend):
     name = "torch"
     supports_cuda_graph = False  # decode sizes its gather with int(seq_lens.max()): a host sync
 
-    def __init__(self, compiled_decode: bool = True):
-        self.compiled_decode = compiled_decode  # the C kernel where it applies (kernels/cpu_decode.py)
+    def __init__(self, compiled_decode: bool = True, compiled_prefill: bool = True):
+        # the C kernels where they apply (kernels/cpu_decode.py, kernels/cpu_prefill.py)
+        self.compiled_decode = compiled_decode
+        self.compiled_prefill = compiled_prefill
 
     def write_kv(self, kv_cache, k, v, slot_mapping):
         # kv_cache: (n_layers, 2, num_blocks, block_size, kv_heads, head_dim); k, v: (T, n_layers, kvh, hd)
@@ -242,6 +247,12 @@ class TorchBackend(AttentionBackend):
 
     def _prefill_prompts(self, q, k_cache, v_cache, meta, q_lens, window, scale):
         # q: (T, H, D), the prompt rows of meta's requests (none has a single query unless all do)
+        if self.compiled_prefill:
+            out = cpu_prefill.prefill_attention(
+                q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, window, scale
+            )
+            if out is not None:
+                return out
         if q.device.type == "cpu":
             lens, kv_lens = q_lens.tolist(), meta.seq_lens.tolist()
             cost = sdpa_cost(q.shape[1], k_cache.shape[2], q.shape[2], q.dtype)

@@ -1,0 +1,182 @@
+"""The compiled C prompt-attention kernel (kernels/cpu_prefill.py) against a naive attention over the
+paged cache: fresh prompts, chunks that continue a prompt, windows, GQA groups, tile and chunk edges,
+strided queries, thread counts; bad block tables; and the fallback when it cannot run."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conftest import naive_prefill
+from swiftkv_fast.attention import AttentionMetadata, TorchBackend
+from swiftkv_fast.kernels import cpu_compile, cpu_prefill
+
+needs_compiler = pytest.mark.skipif(
+    cpu_compile.compiler() is None or not cpu_prefill.enabled(),
+    reason="no C compiler (or SWIFTKV_CPU_PREFILL_KERNEL=0): the compiled prefill kernel is off",
+)
+
+
+def prompt_case(seed, *, heads, kv_heads, dim, block_size, q_lens, kv_lens, spare_blocks=2):
+    """Random queries and K/V cache; every request's blocks scattered over the cache (block 0 is the null
+    block, never read: a table's unused tail points at it)."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(-(-n // block_size) for n in kv_lens) + spare_blocks
+    num_reqs = len(kv_lens)
+    num_blocks = 1 + num_reqs * width
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1)[: num_reqs * width].view(num_reqs, width)
+    block_tables = torch.zeros(num_reqs, width, dtype=torch.int32)
+    for r, n in enumerate(kv_lens):
+        used = -(-n // block_size)
+        block_tables[r, :used] = ids[r, :used].to(torch.int32)
+    q = torch.randn(sum(q_lens), heads, dim, generator=gen)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k_cache, v_cache, cu, torch.tensor(kv_lens, dtype=torch.int32), block_tables
+
+
+# (query rows, positions) per request: fresh prompts, a chunk after cached tokens, single rows, lengths
+# at and across the 32-position tiles and 128-key chunks
+LENGTHS = [
+    ([5, 1, 40], [5, 9, 40]),
+    ([31, 32, 33], [31, 64, 33]),
+    ([130, 7], [300, 7]),
+    ([257], [257]),
+]
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    "heads, kv_heads, dim, block_size",
+    [(9, 3, 64, 16), (4, 4, 16, 4), (8, 1, 32, 1), (16, 2, 128, 16), (6, 2, 16, 3)],
+)
+@pytest.mark.parametrize("window", [None, 1, 7, 100])
+@pytest.mark.parametrize("lengths", LENGTHS, ids=lambda c: str(c[0]))
+def test_kernel_matches_naive_attention(heads, kv_heads, dim, block_size, window, lengths):
+    q_lens, kv_lens = lengths
+    q, k, v, cu, lens, tables = prompt_case(
+        0, heads=heads, kv_heads=kv_heads, dim=dim, block_size=block_size, q_lens=q_lens, kv_lens=kv_lens
+    )
+    got = cpu_prefill.prefill_attention(q, k, v, cu, lens, tables, window, 0.3)
+    want = naive_prefill(q, k, v, q_lens, kv_lens, tables, window, 0.3)
+    # outputs are convex combinations of N(0, 1) values (|out| < 5): 2e-5 is ~40 fp32 ulps
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+@needs_compiler
+def test_through_the_backend_with_decode_rows_in_the_batch():
+    """A mixed batch: the decode row goes to the decode kernel, the prompt rows to this one."""
+    q_lens, kv_lens = [3, 1, 50], [10, 20, 50]
+    q, k, v, cu, lens, tables = prompt_case(
+        1, heads=6, kv_heads=2, dim=16, block_size=4, q_lens=q_lens, kv_lens=kv_lens
+    )
+    meta = AttentionMetadata(
+        cu_seqlens_q=cu, seq_lens=lens, block_tables=tables, max_query_len=50, max_seq_len=50
+    )
+    for window in (None, 8):
+        want = naive_prefill(q, k, v, q_lens, kv_lens, tables, window, 0.3)
+        got = TorchBackend().prefill(q, k, v, meta, window, 0.3)
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+        sdpa = TorchBackend(compiled_prefill=False).prefill(q, k, v, meta, window, 0.3)
+        torch.testing.assert_close(got, sdpa, rtol=2e-5, atol=2e-5)
+
+
+@needs_compiler
+def test_strided_queries_as_the_model_passes_them():
+    # q as the model passes it: the query heads of a fused (T, heads + 2 * kv_heads, D) tensor
+    q, k, v, cu, lens, tables = prompt_case(
+        2, heads=9, kv_heads=3, dim=64, block_size=16, q_lens=[40, 70], kv_lens=[40, 100]
+    )
+    fused = torch.cat([q, torch.randn(q.shape[0], 6, 64)], 1)
+    got = cpu_prefill.prefill_attention(fused[:, :9], k, v, cu, lens, tables, None, 0.125)
+    assert got.is_contiguous()
+    assert torch.equal(got, cpu_prefill.prefill_attention(q, k, v, cu, lens, tables, None, 0.125))
+
+
+@needs_compiler
+def test_threads_do_not_change_the_result():
+    q, k, v, cu, lens, tables = prompt_case(
+        3, heads=9, kv_heads=3, dim=64, block_size=16, q_lens=[300, 17, 64, 1], kv_lens=[300, 40, 64, 129]
+    )
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_prefill.prefill_attention(q, k, v, cu, lens, tables, None, 0.125)
+        torch.set_num_threads(2)
+        two = cpu_prefill.prefill_attention(q, k, v, cu, lens, tables, None, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)  # each (request, KV head, tile) is one thread's work, in a fixed order
+
+
+@needs_compiler
+def test_bad_lengths_and_block_tables_raise_before_reading():
+    q, k, v, cu, lens, tables = prompt_case(
+        4, heads=4, kv_heads=2, dim=16, block_size=4, q_lens=[5, 7], kv_lens=[5, 9]
+    )
+    too_long = lens.clone()
+    too_long[1] = 4 * tables.shape[1] + 1
+    with pytest.raises(ValueError, match="exceeds its block table"):
+        cpu_prefill.prefill_attention(q, k, v, cu, too_long, tables, None, 0.3)
+    too_short = lens.clone()
+    too_short[1] = 6  # 7 queries, 6 positions
+    with pytest.raises(ValueError, match="more queries than positions"):
+        cpu_prefill.prefill_attention(q, k, v, cu, too_short, tables, None, 0.3)
+    outside = tables.clone()
+    outside[1, 2] = k.shape[0]
+    with pytest.raises(ValueError, match="block id outside"):
+        cpu_prefill.prefill_attention(q, k, v, cu, lens, outside, None, 0.3)
+    # blocks a window has left behind are never read (nor checked), whatever they hold
+    q2, k2, v2, cu2, lens2, tables2 = prompt_case(
+        4, heads=4, kv_heads=2, dim=16, block_size=4, q_lens=[5, 2], kv_lens=[5, 13]
+    )
+    behind = tables2.clone()
+    behind[1, :1] = k2.shape[0]  # positions 0..3; the window of 2 starts at 11 - 1 = 10
+    got = cpu_prefill.prefill_attention(q2, k2, v2, cu2, lens2, behind, 2, 0.3)
+    want = naive_prefill(q2, k2, v2, [5, 2], [5, 13], tables2, 2, 0.3)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="does not split"):
+        cpu_prefill.prefill_attention(q, k, v, cu[:-1], lens, tables, None, 0.3)
+
+
+def test_not_applicable_inputs_are_left_to_sdpa():
+    q, k, v, cu, lens, tables = prompt_case(
+        5, heads=4, kv_heads=2, dim=12, block_size=4, q_lens=[5, 7], kv_lens=[5, 9]
+    )
+    assert cpu_prefill.prefill_attention(q, k, v, cu, lens, tables, None, 0.3) is None  # head_dim 12
+    q16, k16, v16 = (t[..., :8].to(torch.bfloat16) for t in (q, k, v))
+    assert cpu_prefill.prefill_attention(q16, k16, v16, cu, lens, tables, None, 0.3) is None  # bf16
+    meta = AttentionMetadata(
+        cu_seqlens_q=cu, seq_lens=lens, block_tables=tables, max_query_len=7, max_seq_len=9
+    )
+    got = TorchBackend().prefill(q, k, v, meta, None, 0.3)
+    torch.testing.assert_close(got, naive_prefill(q, k, v, [5, 7], [5, 9], tables, None, 0.3))
+
+
+def test_a_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_compile, "_built", {})
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    q, k, v, cu, lens, tables = prompt_case(
+        6, heads=4, kv_heads=2, dim=16, block_size=4, q_lens=[5, 7], kv_lens=[5, 9]
+    )
+    meta = AttentionMetadata(
+        cu_seqlens_q=cu, seq_lens=lens, block_tables=tables, max_query_len=7, max_seq_len=9
+    )
+    with caplog.at_level(logging.WARNING, logger="swiftkv_fast"):
+        for _ in range(2):
+            assert cpu_prefill.prefill_attention(q, k, v, cu, lens, tables, None, 0.3) is None
+            got = TorchBackend().prefill(q, k, v, meta, None, 0.3)
+            torch.testing.assert_close(got, naive_prefill(q, k, v, [5, 7], [5, 9], tables, None, 0.3))
+    messages = [r.message for r in caplog.records if "prefill-attention" in r.message]
+    assert len(messages) == 1 and "did not build" in messages[0]
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv(cpu_prefill.ENV_SWITCH, "0")
+    q, k, v, cu, lens, tables = prompt_case(
+        7, heads=4, kv_heads=2, dim=16, block_size=4, q_lens=[5, 7], kv_lens=[5, 9]
+    )
+    assert cpu_prefill.kernel(16, 2) is None
+    assert cpu_prefill.prefill_attention(q, k, v, cu, lens, tables, None, 0.3) is None

@@ -102,6 +102,7 @@ def test_chooser_picks_the_fastest_of_injected_timings_interleaved():
         "linear": {1: 0.1, 16: 0.9, 256: 5.0},
         "matmul": {1: 0.2, 16: 0.8, 256: 9.0},
         "mkldnn": {1: 0.3, 16: 0.2, 256: 1.0},
+        "panel": {1: 0.4, 16: 0.3, 256: 1.1},
     }
     calls: list = []
     ch = chooser(timer=fake_timer(seconds, calls))
@@ -109,8 +110,8 @@ def test_chooser_picks_the_fastest_of_injected_timings_interleaved():
     choice = ch.choose("o", w, None, max_rows=256)
     assert choice.plan == ((1, "linear"), (sys.maxsize, "mkldnn"))
     assert set(choice.layouts) == {"linear", "mkldnn"}
-    assert calls[:6] == [("linear", 1), ("matmul", 1), ("mkldnn", 1)] * 2  # round by round
-    assert len(calls) == 3 * lk.MIN_SAMPLES * 3  # 3 buckets; each case over its budget after the minimum
+    assert calls[:8] == [("linear", 1), ("matmul", 1), ("mkldnn", 1), ("panel", 1)] * 2  # round by round
+    assert len(calls) == 4 * lk.MIN_SAMPLES * 3  # 3 buckets; each case over its budget after the minimum
     assert ch.timed_cases == 3
     # a layer that only runs decode rows is timed at the buckets up to its largest batch
     assert ch.choose("lm_head", torch.randn(48, 16), None, max_rows=10).plan[-1] == (sys.maxsize, "mkldnn")
@@ -170,13 +171,13 @@ def test_failing_private_op_falls_back_with_one_log_line(monkeypatch, log):
     seconds = {k: {1: 1.0, 16: 1.0} for k in lk.KERNELS}
     auto = chooser(buckets=(1, 16), timer=fake_timer(seconds))
     for name in ("a", "b"):
-        assert set(auto.choose(name, torch.randn(8, 4), None, 16).layouts) <= {"linear", "matmul"}
+        assert set(auto.choose(name, torch.randn(8, 4), None, 16).layouts) <= {"linear", "matmul", "panel"}
     warnings = [r.getMessage() for r in log.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2 and all("'mkldnn' failed" in w and "no oneDNN here" in w for w in warnings)
 
 
 def test_a_kernel_that_fails_on_a_cached_choice_is_replaced(tmp_path, monkeypatch, log):
-    seconds = {"linear": {1: 1.0}, "matmul": {1: 2.0}, "mkldnn": {1: 0.1}}
+    seconds = {"linear": {1: 1.0}, "matmul": {1: 2.0}, "mkldnn": {1: 0.1}, "panel": {1: 3.0}}
     first = chooser(buckets=(1,), cache_dir=tmp_path, timer=fake_timer(seconds))
     first.choose("o", torch.randn(8, 4), None, 1)
     first.finish()
@@ -228,4 +229,4 @@ def test_greedy_tokens_do_not_depend_on_the_kernel(model):
         assert lm_head.plan == ((sys.maxsize, kernel),)
         if kernel == "linear" and config.tie_word_embeddings:  # the tied lm_head reads the embedding
             assert lm_head.layouts["linear"].data_ptr() == llm.llm_engine.runner.model.w.embed.data_ptr()
-    assert got["matmul"] == got["linear"] == got["mkldnn"]
+    assert got["matmul"] == got["linear"] == got["mkldnn"] == got["panel"]

@@ -22,7 +22,7 @@ DTYPES = {
     "half": torch.float16,
 }
 # CPU linear kernels (model/linear_kernels.py): auto = chosen by measurement, or one forced everywhere
-LINEAR_KERNELS = ("auto", "linear", "matmul", "mkldnn")
+LINEAR_KERNELS = ("auto", "linear", "matmul", "mkldnn", "panel")
 
 
 @dataclass

@@ -17,18 +17,18 @@ so K/V are never repeated. Requests are attended in chunks whose gathered K/V fi
 KV writes on CPU in fp32 copy each token's rows to its slot in one C call (kernels/cpu_ops.py
 write_kv); elsewhere two index_copy_ calls.
 
-Prompt rows on CPU in fp32 run the compiled C kernel of kernels/cpu_prefill.py: every request's
-queries in tiles that read only the keys they see, straight from the blocks (about 3x faster than one
-SDPA call per request on a prefill-heavy step). Where it does not apply (no compiler, another dtype,
-`TorchBackend(compiled_prefill=False)`), one of two SDPA paths runs. Prompt rows: one padded SDPA call computes R x max_q x max_kv scores (causal without a mask
-tensor only when every prompt is fresh and there is no window; otherwise under a mask, which SDPA runs
-about 1.35x slower per score). One call per request computes only its own n x s scores, causal where
-that request is fresh, and reads only the keys inside its window, but pays the per-call overhead R
-times. Which is faster is decided per batch from `SdpaCost`, three SDPA timings taken once per process
-and head shape. Per request wins for fresh prompts of different lengths (16 prompts of 480-800 tokens:
-about 1.25x) and for every batch with a chunk that continues a prompt (the padded call would mask all
-of them: a chunked prefill step of 7 x 640 tokens runs about 1.5x faster); the padded call wins for
-many short prompts.
+Prompt rows on CPU in fp32 run the compiled C kernel of kernels/cpu_prefill.py: every request's queries
+in tiles that read only the keys they see, straight from the blocks (about 3x faster than one SDPA call
+per request on a prefill-heavy step). Where it does not apply (no compiler, another dtype,
+`TorchBackend(compiled_prefill=False)`), one of two SDPA paths runs. Prompt rows: one padded SDPA call
+computes R x max_q x max_kv scores (causal without a mask tensor only when every prompt is fresh and
+there is no window; otherwise under a mask, which SDPA runs about 1.35x slower per score). One call per
+request computes only its own n x s scores, causal where that request is fresh, and reads only the keys
+inside its window, but pays the per-call overhead R times. Which is faster is decided per batch from
+`SdpaCost`, three SDPA timings taken once per process and head shape. Per request wins for fresh prompts
+of different lengths (16 prompts of 480-800 tokens: about 1.25x) and for every batch with a chunk that
+continues a prompt (the padded call would mask all of them: a chunked prefill step of 7 x 640 tokens
+runs about 1.5x faster); the padded call wins for many short prompts.
 """
 
 from __future__ import annotations

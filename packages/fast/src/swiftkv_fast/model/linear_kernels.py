@@ -1,11 +1,13 @@
 """CPU linear kernels, chosen by measurement at start-up.
 
-Three ways to compute y = x W^T + b for a checkpoint weight W (out_features, in_features):
+Four ways to compute y = x W^T + b for a checkpoint weight W (out_features, in_features):
 
     linear   F.linear on W as it is, (out, in)
     matmul   torch.mm / addmm on W^T stored contiguous, (in, out)
     mkldnn   oneDNN's prepacked fp32 inner product (torch.ops.mkldnn._reorder_linear_weight +
              _linear_pointwise, what Inductor's weight freezing uses on CPU): W reordered once
+    panel    our compiled C kernel over W packed in 16-column panels (kernels/cpu_gemm.py; fp32,
+             needs a C compiler): 1.3-1.5x oneDNN on a 16-row decode batch on an AVX2 EPYC
 
 Which one is fastest depends on the GEMM library, the CPU and the row count (one layout was 2.3x
 faster than the other on one x86 machine and slower on another), so `LinearKernelChooser` times
@@ -36,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from swiftkv_fast.kernels.cpu_gemm import PanelWeight
 from swiftkv_fast.logger import init_logger
 
 logger = init_logger(__name__)
@@ -72,11 +75,14 @@ KERNELS = {
     "linear": LinearKernel("linear", lambda w: w, F.linear),
     "matmul": LinearKernel("matmul", lambda w: w.t().contiguous(), _matmul),
     "mkldnn": LinearKernel("mkldnn", _mkldnn_pack, _mkldnn),
+    "panel": LinearKernel("panel", PanelWeight, lambda x, w, bias: w.linear(x, bias)),
 }
 
 
-def nbytes(t: torch.Tensor) -> int:
+def nbytes(t: torch.Tensor | PanelWeight) -> int:
     """Bytes a weight layout holds (a oneDNN tensor's own size, padding included)."""
+    if isinstance(t, PanelWeight):
+        return t.nbytes
     if t.is_mkldnn:
         return int(torch.ops.mkldnn._nbytes(t))
     return t.numel() * t.element_size()

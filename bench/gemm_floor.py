@@ -133,7 +133,7 @@ int swiftkv_fma_peak(int64_t iters, float *sink, int num_threads) {
 """
 
 
-def fma_peak_gflops(seconds: float = 0.2, repeats: int = 3) -> float | None:
+def fma_peak_gflops(seconds: float = 0.2, repeats: int = 5) -> float | None:
     """fp32 GFLOP/s of vector FMAs on registers on all of torch's threads (best of `repeats` runs of
     about `seconds`); None without a C compiler."""
     import ctypes

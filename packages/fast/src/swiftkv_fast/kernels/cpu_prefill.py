@@ -18,8 +18,11 @@ style (running max and sum per row, the output rescaled as the max grows). Per c
 A causal prompt of n tokens thus costs about n^2 / 2 (+ n * QUERY_TILE / 2) scores, where a padded or
 per-request SDPA call on CPU computes whole 512-key splits.
 
-Measured against the torch paths it replaces, in one process (bench/README.md has the command):
-see `python -m bench attention`.
+Measured against the SDPA paths it replaces, in one process on a 2-core AMD EPYC (AVX2), 6 fresh
+prompts of 480-800 tokens, 9 heads, 3 KV heads, head_dim 64, blocks scattered over the cache: 50 ms
+against 168 ms for one SDPA call per request and 149 ms for one padded call (3.3x / 2.9x); 640-token
+prompts 60 / 172 / 86 ms. In the engine (`python -m bench throughput --mixes prefill-heavy --profile`)
+attention is 20% of all the engine's time with it, against 27-28% before it on another such machine.
 
 The source is compiled at first use for each (head_dim, group) by kernels/cpu_compile.py (-O3
 -march=native, OpenMP where torch uses it). Without a compiler, or when no build loads, `kernel()`

@@ -39,10 +39,9 @@ from collections.abc import Callable
 
 import torch
 
-from swiftkv_fast.kernels import cpu_compile
+from swiftkv_fast.kernels import cpu_compile, cpu_decode
 
 ENV_SWITCH = "SWIFTKV_CPU_PREFILL_KERNEL"
-MAX_GROUP = 16  # query heads per KV head (the decode kernel's limit too)
 
 SOURCE = (
     cpu_compile.EXPF
@@ -264,16 +263,10 @@ def enabled() -> bool:
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """The kernel applies: fp32 CPU tensors, head_dim a multiple of 16 (at most 256), group <= MAX_GROUP."""
-    head_dim, kv_heads = k_cache.shape[-1], k_cache.shape[-2]
-    return (
-        q.device.type == "cpu"
-        and q.dtype == k_cache.dtype == torch.float32
-        and head_dim % 16 == 0
-        and head_dim <= 256
-        and q.shape[1] % kv_heads == 0
-        and q.shape[1] // kv_heads <= MAX_GROUP
-    )
+    """The kernel applies: where the decode kernel does (fp32 CPU tensors, group at most
+    cpu_decode.MAX_GROUP, head_dim at most 256) and head_dim is a multiple of 16 (two 8-wide vectors per
+    register block)."""
+    return cpu_decode.supports(q, k_cache) and k_cache.shape[-1] % 16 == 0
 
 
 # swiftkv_prefill_attention's arguments: q, q_stride, k, v, block_stride, num_blocks, block_tables,

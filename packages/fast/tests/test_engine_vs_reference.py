@@ -26,6 +26,8 @@ CASES = [
     # forced preemption: a cache that holds about two long requests
     ("swiftkv_g2", dict(block_size=4, num_kv_blocks=120, max_model_len=320, max_num_batched_tokens=64)),
     ("hybrid_swiftkv", dict(block_size=4, num_kv_blocks=125, max_model_len=320, max_num_batched_tokens=80)),
+    # every linear layer through the compiled panel GEMM (kernels/cpu_gemm.py), whatever the timings say
+    ("swiftkv_g2", dict(block_size=16, max_num_batched_tokens=100, linear_kernel="panel")),
 ]
 
 
@@ -109,11 +111,13 @@ def test_kv_memory_acrosskv(tiny):
 @pytest.mark.parametrize("name", ["swiftkv_g2", "hybrid_swiftkv"])
 def test_portable_ops_match_reference(tiny, name, monkeypatch):
     """The torch code of every op the C kernels replace on CPU (the path CUDA and compiler-less
-    machines run): RMSNorm + residual, SiLU-and-mul, RoPE, the KV write and decode attention."""
-    from swiftkv_fast.kernels import cpu_decode, cpu_ops
+    machines run): RMSNorm + residual, SiLU-and-mul, RoPE, the KV write, decode and prompt attention,
+    and the linear layers without the panel GEMM."""
+    from swiftkv_fast.kernels import cpu_decode, cpu_gemm, cpu_ops, cpu_prefill
 
     monkeypatch.setattr(cpu_ops, "_resolved", [None])
-    monkeypatch.setenv(cpu_decode.ENV_SWITCH, "0")
+    for switch in (cpu_decode.ENV_SWITCH, cpu_prefill.ENV_SWITCH, cpu_gemm.ENV_SWITCH):
+        monkeypatch.setenv(switch, "0")
     cfg, state, model = tiny(**TINY_MODELS[name])
     llm = LLM.from_state_dict(cfg, state, return_logits=True, block_size=4, max_num_batched_tokens=90)
     prompts = random_prompts(4, cfg.vocab_size, LENGTHS[:4], seed=7)

@@ -51,15 +51,9 @@ SOURCE = (
 #include <stdlib.h>
 #include <string.h>
 
-#ifndef RB
 #define RB 6             /* query rows per register block */
-#endif
-#ifndef QUERY_TILE
 #define QUERY_TILE 32    /* positions per work item */
-#endif
-#ifndef KEY_CHUNK
 #define KEY_CHUNK 128    /* keys per online-softmax step (a multiple of 16) */
-#endif
 #define TILE_ROWS (((QUERY_TILE * GROUP) + RB - 1) / RB * RB)
 #define DV (HEAD_DIM / 8)
 typedef float v8 __attribute__((vector_size(32), aligned(4)));

@@ -1,5 +1,6 @@
 """The compiled panel GEMM (kernels/cpu_gemm.py) against F.linear: widths that do not fill a panel,
-row counts across the 6-row register blocks and the 96-row items, strided and 3-d inputs, bias, thread
+row counts across the register blocks (16 rows on AVX-512, 6 on AVX2; both paths built here) and the
+96-row items, strided and 3-d inputs, bias, thread
 counts; bad input; and the chooser dropping it when it cannot be built."""
 
 from __future__ import annotations
@@ -24,12 +25,15 @@ def fp32_atol(want: torch.Tensor) -> float:
 
 @needs_compiler
 @pytest.mark.parametrize("out_features, in_features", [(16, 8), (33, 5), (100, 64), (7, 130)])
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 97, 200])
-def test_matches_f_linear(out_features, in_features, rows):
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 17, 97, 200])
+@pytest.mark.parametrize("avx512", [True, False])
+def test_matches_f_linear(out_features, in_features, rows, avx512):
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     w = torch.randn(out_features, in_features, generator=g)
     b = torch.randn(out_features, generator=g)
-    packed = cpu_gemm.PanelWeight(w)
+    packed = cpu_gemm.PanelWeight(w, avx512=avx512)
+    if not avx512:
+        assert packed.rows_per_block == 6
     x = torch.randn(rows, in_features, generator=g)
     for bias in (None, b):
         want = F.linear(x, w, bias)

@@ -135,6 +135,28 @@ def test_cache_round_trips_and_skips_the_timing(tmp_path, log):
     assert "timings from" in log.records[-1].getMessage()
 
 
+def test_cold_timing_evicts_the_caches_before_every_call_and_is_cached_apart(tmp_path, monkeypatch):
+    events: list = []
+    monkeypatch.setattr(lk, "evict_caches", lambda: events.append("evict"))
+    seconds = {k: {1: 1.0, 16: 1.0} for k in lk.KERNELS} | {"panel": {1: 0.5, 16: 0.1}}
+
+    def timer(kernel, rows, call):
+        events.append(kernel)
+        return seconds[kernel][rows]
+
+    w = torch.randn(32, 16)
+    cold = chooser(buckets=(1, 16), cache_dir=tmp_path, timer=timer, cold=True)
+    assert cold.choose("o", w, None, 16).plan == ((sys.maxsize, "panel"),)
+    cold.finish()
+    assert events[:4] == ["evict", "linear", "evict", "matmul"]
+    assert events.count("evict") == len(events) // 2  # one eviction before each timed call
+    events.clear()
+    warm = chooser(buckets=(1, 16), cache_dir=tmp_path, timer=timer)  # the cold timings do not answer it
+    warm.choose("o", w, None, 16)
+    assert events and "evict" not in events
+    assert lk.largest_cache_bytes() > 0
+
+
 @pytest.mark.parametrize(
     "content, why",
     [

@@ -2,20 +2,26 @@
 the `panel` candidate of model/linear_kernels.py.
 
 W (out, in) is packed once into (ceil(out / 16), in, 16): panel p holds output columns [16 p, 16 p + 16)
-with each input index's 16 weights side by side (zeros past `out`). A register block of up to 6 rows
-of x times one panel accumulates 6 x 16 outputs in 12 vector registers, one broadcast x value times
-two 8-wide weight vectors per FMA pair, in passes of IN_BLOCK input features whose slice of the panel
-stays in L1 while every row block of the item passes over it: a decode batch reads each weight once
-from memory.
+with each input index's 16 weights side by side (zeros past `out`), one 64-byte line per input index.
+A register block of MR rows of x times one panel accumulates MR x 16 outputs: on AVX-512, MR = 16 in
+16 of the 32 vector registers (one 16-wide weight vector per input index, used by 16 broadcast x
+values), so a decode batch of up to 16 rows loads each weight once; on AVX2, MR = 6 in 12 of the 16
+(two 8-wide weight vectors per index). Passes of IN_BLOCK input features keep their slice of the panel
+in L1 while every register block of the item passes over it, and the next panel rows are prefetched
+PREFETCH lines ahead, the panels being one sequential stream, so that reading the weights from memory
+overlaps the FMAs instead of following them.
 Work items are (block of ROWS_PER_ITEM rows, panel), split over torch's OpenMP threads in contiguous
 runs, so that each thread keeps its rows in cache across the panels it takes.
 
-Why it exists: measured on a 2-core AMD EPYC (AVX2), a 16-row product with weights coming from
-memory ran at 29-45 GFLOP/s through MKL (F.linear) and 44-55 through oneDNN, against 66-74 through this
-kernel, while the machine's FMA peak is up to 195 GFLOP/s and its memory bandwidth ~20 GB/s; decode
-steps of the embedded model spent ~60% of their time in these products. The chooser times this kernel
-beside the libraries' and keeps whichever is faster per shape and row count, so a machine where a
-library wins keeps the library.
+Why it exists: decode GEMMs of 16 rows read every weight from memory once per step (the model's
+weights do not fit in cache), and a library's kernel, tuned for large products, does not overlap
+those reads with its FMAs. Measured with weights cycled from memory (400 MB), 16 rows, the embedded
+model's shapes: on a 2-core AMD EPYC Zen 3 (AVX2), 29-45 GFLOP/s through MKL (F.linear), 44-55
+through oneDNN, 66-74 through this kernel without the prefetch; on a 2-core AMD EPYC Zen 4 (AVX-512),
+40-55 / 95-125 / 120-155 with the prefetch and the 16-row blocks (75-95 without). From cache, or at
+thousands of rows, oneDNN is as fast or faster. The chooser times this kernel beside the libraries'
+and keeps whichever is faster per shape and row count, so a machine where a library wins keeps the
+library.
 
 Built at first use by kernels/cpu_compile.py (-O3 -march=native, OpenMP where torch uses it). Without a
 compiler, or with SWIFTKV_CPU_GEMM_KERNEL=0, `PanelWeight` raises RuntimeError and the chooser drops
@@ -40,25 +46,46 @@ SOURCE = r"""
 #include <string.h>
 
 #define ROWS_PER_ITEM 96  /* rows of x an item keeps in cache across its panel */
-#define IN_BLOCK 256      /* input features per pass: 16 KB of panel and 6 rows of x stay in L1 */
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
+#define IN_BLOCK 256      /* input features per pass: 16 KB of panel stays in L1 across the row blocks */
+#define PREFETCH 128      /* panel rows (64 B each) read ahead, the packed panels being one stream (a
+                             prefetch past the end is a hint that never faults) */
 
-/* y[R][16] (rows ldy apart) = x[R][K] (rows ldx apart) . panel[K][16], plus y's own values when
-   `add` (the partial sums of the preceding K block) */
+#if defined(__AVX512F__) && !SWIFTKV_NO_AVX512
+/* 32 vector registers of 16 lanes: up to 16 rows x one panel in 16 accumulators, so a 16-row decode
+   batch loads each weight vector once and uses it 16 times */
+#define MR 16
+typedef float vec __attribute__((vector_size(64), aligned(4)));
 #define MICRO(R)                                                                                  \
 static void micro##R(const float *x, int64_t ldx, const float *panel, int64_t K, float *y,          \
                      int64_t ldy, int add) {                                                      \
-    v8 acc[R][2];                                                                                 \
+    vec acc[R];                                                                                   \
+    for (int r = 0; r < R; r++) acc[r] = add ? *(const vec *)(y + r * ldy) : (vec){0};             \
+    for (int64_t k = 0; k < K; k++) {                                                             \
+        __builtin_prefetch(panel + 16 * (k + PREFETCH), 0, 0);                                    \
+        const vec w = *(const vec *)(panel + 16 * k);                                             \
+        for (int r = 0; r < R; r++) acc[r] += x[r * ldx + k] * w;                                 \
+    }                                                                                             \
+    for (int r = 0; r < R; r++) *(vec *)(y + r * ldy) = acc[r];                                   \
+}
+MICRO(1) MICRO(2) MICRO(3) MICRO(4) MICRO(5) MICRO(6) MICRO(7) MICRO(8)
+MICRO(9) MICRO(10) MICRO(11) MICRO(12) MICRO(13) MICRO(14) MICRO(15) MICRO(16)
+#define MICROS {micro1, micro2, micro3, micro4, micro5, micro6, micro7, micro8, \
+                micro9, micro10, micro11, micro12, micro13, micro14, micro15, micro16}
+#else
+/* 16 vector registers of 8 lanes: up to 6 rows x one panel in 12 accumulators */
+#define MR 6
+typedef float vec __attribute__((vector_size(32), aligned(4)));
+#define MICRO(R)                                                                                  \
+static void micro##R(const float *x, int64_t ldx, const float *panel, int64_t K, float *y,          \
+                     int64_t ldy, int add) {                                                      \
+    vec acc[R][2];                                                                                \
     for (int r = 0; r < R; r++) {                                                                 \
-        if (add) {                                                                                \
-            acc[r][0] = *(const v8 *)(y + r * ldy);                                               \
-            acc[r][1] = *(const v8 *)(y + r * ldy + 8);                                           \
-        } else {                                                                                  \
-            acc[r][0] = acc[r][1] = (v8){0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};                 \
-        }                                                                                         \
+        acc[r][0] = add ? *(const vec *)(y + r * ldy) : (vec){0};                                 \
+        acc[r][1] = add ? *(const vec *)(y + r * ldy + 8) : (vec){0};                             \
     }                                                                                             \
     for (int64_t k = 0; k < K; k++) {                                                             \
-        const v8 w0 = *(const v8 *)(panel + 16 * k), w1 = *(const v8 *)(panel + 16 * k + 8);      \
+        __builtin_prefetch(panel + 16 * (k + PREFETCH), 0, 0);                                    \
+        const vec w0 = *(const vec *)(panel + 16 * k), w1 = *(const vec *)(panel + 16 * k + 8);   \
         for (int r = 0; r < R; r++) {                                                             \
             const float xv = x[r * ldx + k];                                                      \
             acc[r][0] += xv * w0;                                                                 \
@@ -66,23 +93,20 @@ static void micro##R(const float *x, int64_t ldx, const float *panel, int64_t K,
         }                                                                                         \
     }                                                                                             \
     for (int r = 0; r < R; r++) {                                                                 \
-        *(v8 *)(y + r * ldy) = acc[r][0];                                                         \
-        *(v8 *)(y + r * ldy + 8) = acc[r][1];                                                     \
+        *(vec *)(y + r * ldy) = acc[r][0];                                                        \
+        *(vec *)(y + r * ldy + 8) = acc[r][1];                                                    \
     }                                                                                             \
 }
 MICRO(1) MICRO(2) MICRO(3) MICRO(4) MICRO(5) MICRO(6)
+#define MICROS {micro1, micro2, micro3, micro4, micro5, micro6}
+#endif
 
-static void micro(int rows, const float *x, int64_t ldx, const float *panel, int64_t K, float *y,
-                  int64_t ldy, int add) {
-    switch (rows) {
-        case 1: micro1(x, ldx, panel, K, y, ldy, add); break;
-        case 2: micro2(x, ldx, panel, K, y, ldy, add); break;
-        case 3: micro3(x, ldx, panel, K, y, ldy, add); break;
-        case 4: micro4(x, ldx, panel, K, y, ldy, add); break;
-        case 5: micro5(x, ldx, panel, K, y, ldy, add); break;
-        default: micro6(x, ldx, panel, K, y, ldy, add); break;
-    }
-}
+/* y[R][16] (rows ldy apart) = x[R][K] (rows ldx apart) . panel[K][16], plus y's own values when `add`
+   (the partial sums of the preceding K block); R <= MR */
+typedef void (*micro_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, int);
+static const micro_fn micro[MR] = MICROS;
+
+int swiftkv_gemm_rows_per_block(void) { return MR; }
 
 /* w: (N, K) rows ldw apart -> packed: (ceil(N / 16), K, 16), zero past N. */
 int swiftkv_gemm_pack(const float *w, int64_t ldw, int64_t N, int64_t K, float *packed, int num_threads) {
@@ -114,9 +138,10 @@ int swiftkv_gemm(const float *x, int64_t ldx, const float *packed, const float *
         const int64_t ldo = full ? N : 16;
         for (int64_t k0 = 0; k0 < K; k0 += IN_BLOCK) {
             const int64_t kc = K - k0 < IN_BLOCK ? K - k0 : IN_BLOCK;
-            for (int64_t m = m0; m < m1; m += 6) {
-                const int rows = m1 - m < 6 ? (int)(m1 - m) : 6;
-                micro(rows, x + m * ldx + k0, ldx, panel + 16 * k0, kc, out + (m - m0) * ldo, ldo, k0 > 0);
+            for (int64_t m = m0; m < m1; m += MR) {
+                const int rows = m1 - m < MR ? (int)(m1 - m) : MR;
+                float *o = out + (m - m0) * ldo;
+                micro[rows - 1](x + m * ldx + k0, ldx, panel + 16 * k0, kc, o, ldo, k0 > 0);
             }
         }
         const int64_t width = full ? 16 : N - n0;
@@ -135,25 +160,27 @@ _PACK_ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int6
 _PACK_ARGTYPES += [ctypes.c_int]
 _GEMM_ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
 _GEMM_ARGTYPES += [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+_SYMBOLS = {"swiftkv_gemm_pack": _PACK_ARGTYPES, "swiftkv_gemm": _GEMM_ARGTYPES}
+_SYMBOLS["swiftkv_gemm_rows_per_block"] = []
 
 
 def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") != "0"
 
 
-def _functions() -> dict[str, Callable] | None:
+def _functions(avx512: bool) -> dict[str, Callable] | None:
     if not enabled():
         return None
-    return cpu_compile.load(
-        "panel-gemm", SOURCE, {}, {"swiftkv_gemm_pack": _PACK_ARGTYPES, "swiftkv_gemm": _GEMM_ARGTYPES}
-    )
+    return cpu_compile.load("panel-gemm", SOURCE, {"SWIFTKV_NO_AVX512": int(not avx512)}, _SYMBOLS)
 
 
 class PanelWeight:
-    """W (out, in) packed in 16-column panels for `linear`; `out_features` / `in_features` as W's."""
+    """W (out, in) packed in 16-column panels for `linear`; `out_features` / `in_features` as W's.
+    `avx512=False` builds the 8-lane register blocks even where the compiler targets AVX-512 (so tests
+    check both paths on an AVX-512 machine); `rows_per_block` says which one runs (16 or 6 rows)."""
 
-    def __init__(self, weight: torch.Tensor):
-        functions = _functions()
+    def __init__(self, weight: torch.Tensor, avx512: bool = True):
+        functions = _functions(avx512)
         if functions is None:
             raise RuntimeError(
                 f"the panel GEMM kernel is unavailable here (no C compiler, or {ENV_SWITCH}=0)"
@@ -174,6 +201,7 @@ class PanelWeight:
             torch.get_num_threads(),
         )
         self._gemm = functions["swiftkv_gemm"]
+        self.rows_per_block = functions["swiftkv_gemm_rows_per_block"]()
 
     @property
     def nbytes(self) -> int:

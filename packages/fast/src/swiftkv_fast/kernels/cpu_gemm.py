@@ -6,8 +6,10 @@ with each input index's 16 weights side by side (zeros past `out`), one 64-byte 
 A register block of MR rows of x times one panel accumulates MR x 16 outputs: on AVX-512, MR = 16 in
 16 of the 32 vector registers (one 16-wide weight vector per input index, used by 16 broadcast x
 values), so a decode batch of up to 16 rows loads each weight once; on AVX2, MR = 6 in 12 of the 16
-(two 8-wide weight vectors per index). Passes of IN_BLOCK input features keep their slice of the panel
-in L1 while every register block of the item passes over it, and the next panel rows are prefetched
+(two 8-wide weight vectors per index). Each call first packs x in groups of MR rows, (ceil(M / MR), in, MR),
+so that a register block's broadcasts come from one sequential stream (one base pointer, where MR row
+pointers would spill the general registers). Passes of IN_BLOCK input features keep their slice of
+the panel in L1 while every register block of the item passes over it, and the next panel rows are prefetched
 PREFETCH lines ahead, the panels being one sequential stream, so that reading the weights from memory
 overlaps the FMAs instead of following them.
 Work items are (block of ROWS_PER_ITEM rows, panel), split over torch's OpenMP threads in contiguous
@@ -43,6 +45,7 @@ PANEL = 16  # output columns per panel
 
 SOURCE = r"""
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define ROWS_PER_ITEM 96  /* rows of x an item keeps in cache across its panel */
@@ -56,14 +59,14 @@ SOURCE = r"""
 #define MR 16
 typedef float vec __attribute__((vector_size(64), aligned(4)));
 #define MICRO(R)                                                                                  \
-static void micro##R(const float *x, int64_t ldx, const float *panel, int64_t K, float *y,          \
+static void micro##R(const float *x, const float *panel, int64_t K, float *y,                     \
                      int64_t ldy, int add) {                                                      \
     vec acc[R];                                                                                   \
     for (int r = 0; r < R; r++) acc[r] = add ? *(const vec *)(y + r * ldy) : (vec){0};             \
     for (int64_t k = 0; k < K; k++) {                                                             \
         __builtin_prefetch(panel + 16 * (k + PREFETCH), 0, 0);                                    \
         const vec w = *(const vec *)(panel + 16 * k);                                             \
-        for (int r = 0; r < R; r++) acc[r] += x[r * ldx + k] * w;                                 \
+        for (int r = 0; r < R; r++) acc[r] += x[MR * k + r] * w;                                  \
     }                                                                                             \
     for (int r = 0; r < R; r++) *(vec *)(y + r * ldy) = acc[r];                                   \
 }
@@ -76,7 +79,7 @@ MICRO(9) MICRO(10) MICRO(11) MICRO(12) MICRO(13) MICRO(14) MICRO(15) MICRO(16)
 #define MR 6
 typedef float vec __attribute__((vector_size(32), aligned(4)));
 #define MICRO(R)                                                                                  \
-static void micro##R(const float *x, int64_t ldx, const float *panel, int64_t K, float *y,          \
+static void micro##R(const float *x, const float *panel, int64_t K, float *y,                     \
                      int64_t ldy, int add) {                                                      \
     vec acc[R][2];                                                                                \
     for (int r = 0; r < R; r++) {                                                                 \
@@ -87,7 +90,7 @@ static void micro##R(const float *x, int64_t ldx, const float *panel, int64_t K,
         __builtin_prefetch(panel + 16 * (k + PREFETCH), 0, 0);                                    \
         const vec w0 = *(const vec *)(panel + 16 * k), w1 = *(const vec *)(panel + 16 * k + 8);   \
         for (int r = 0; r < R; r++) {                                                             \
-            const float xv = x[r * ldx + k];                                                      \
+            const float xv = x[MR * k + r];                                                       \
             acc[r][0] += xv * w0;                                                                 \
             acc[r][1] += xv * w1;                                                                 \
         }                                                                                         \
@@ -103,7 +106,7 @@ MICRO(1) MICRO(2) MICRO(3) MICRO(4) MICRO(5) MICRO(6)
 
 /* y[R][16] (rows ldy apart) = x[R][K] (rows ldx apart) . panel[K][16], plus y's own values when `add`
    (the partial sums of the preceding K block); R <= MR */
-typedef void (*micro_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, int);
+typedef void (*micro_fn)(const float *, const float *, int64_t, float *, int64_t, int);
 static const micro_fn micro[MR] = MICROS;
 
 int swiftkv_gemm_rows_per_block(void) { return MR; }
@@ -123,35 +126,55 @@ int swiftkv_gemm_pack(const float *w, int64_t ldw, int64_t N, int64_t K, float *
     return 0;
 }
 
-/* y (M, N) contiguous = x (M, K), rows ldx apart, times the packed W^T, plus bias (N,) unless NULL. */
+/* y (M, N) contiguous = x (M, K), rows ldx apart, times the packed W^T, plus bias (N,) unless NULL.
+   Returns 0, or 1 when the packed copy of x cannot be allocated. */
 int swiftkv_gemm(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t M,
                  int64_t N, int64_t K, int num_threads) {
     const int64_t panels = (N + 15) / 16, row_blocks = (M + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
-    #pragma omp parallel for schedule(static) num_threads(num_threads) if (row_blocks * panels > 1)
-    for (int64_t item = 0; item < row_blocks * panels; item++) {
-        const int64_t m0 = (item / panels) * ROWS_PER_ITEM, p = item % panels;
-        const int64_t m1 = m0 + ROWS_PER_ITEM < M ? m0 + ROWS_PER_ITEM : M, n0 = 16 * p;
-        const float *panel = packed + p * K * 16;
-        const int full = n0 + 16 <= N;
-        float tmp[ROWS_PER_ITEM * 16];  /* a panel past N: its outputs before the copy */
-        float *out = full ? y + m0 * N + n0 : tmp;
-        const int64_t ldo = full ? N : 16;
-        for (int64_t k0 = 0; k0 < K; k0 += IN_BLOCK) {
-            const int64_t kc = K - k0 < IN_BLOCK ? K - k0 : IN_BLOCK;
-            for (int64_t m = m0; m < m1; m += MR) {
-                const int rows = m1 - m < MR ? (int)(m1 - m) : MR;
-                float *o = out + (m - m0) * ldo;
-                micro[rows - 1](x + m * ldx + k0, ldx, panel + 16 * k0, kc, o, ldo, k0 > 0);
+    const int64_t groups = (M + MR - 1) / MR;
+    /* x packed in groups of MR rows, (groups, K, MR), zero past M: every broadcast of a register
+       block comes from one sequential stream */
+    float *xp = malloc(sizeof(float) * groups * K * MR);
+    if (xp == NULL) return 1;
+    #pragma omp parallel num_threads(num_threads) if (row_blocks * panels > 1)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++)
+            for (int r = 0; r < MR; r++) {
+                const int64_t m = g * MR + r;
+                float *dst = xp + g * K * MR + r;
+                if (m < M)
+                    for (int64_t k = 0; k < K; k++) dst[MR * k] = x[m * ldx + k];
+                else
+                    for (int64_t k = 0; k < K; k++) dst[MR * k] = 0.f;
+            }
+        #pragma omp for schedule(static)
+        for (int64_t item = 0; item < row_blocks * panels; item++) {
+            const int64_t m0 = (item / panels) * ROWS_PER_ITEM, p = item % panels;
+            const int64_t m1 = m0 + ROWS_PER_ITEM < M ? m0 + ROWS_PER_ITEM : M, n0 = 16 * p;
+            const float *panel = packed + p * K * 16;
+            const int full = n0 + 16 <= N;
+            float tmp[ROWS_PER_ITEM * 16];  /* a panel past N: its outputs before the copy */
+            float *out = full ? y + m0 * N + n0 : tmp;
+            const int64_t ldo = full ? N : 16;
+            for (int64_t k0 = 0; k0 < K; k0 += IN_BLOCK) {
+                const int64_t kc = K - k0 < IN_BLOCK ? K - k0 : IN_BLOCK;
+                for (int64_t m = m0; m < m1; m += MR) {
+                    const int rows = m1 - m < MR ? (int)(m1 - m) : MR;
+                    const float *xg = xp + (m / MR) * K * MR + k0 * MR;
+                    micro[rows - 1](xg, panel + 16 * k0, kc, out + (m - m0) * ldo, ldo, k0 > 0);
+                }
+            }
+            const int64_t width = full ? 16 : N - n0;
+            for (int64_t m = m0; m < m1; m++) {
+                float *dst = y + m * N + n0;
+                if (!full) memcpy(dst, tmp + (m - m0) * 16, sizeof(float) * width);
+                if (bias != NULL)
+                    for (int64_t c = 0; c < width; c++) dst[c] += bias[n0 + c];
             }
         }
-        const int64_t width = full ? 16 : N - n0;
-        for (int64_t m = m0; m < m1; m++) {
-            float *dst = y + m * N + n0;
-            if (!full) memcpy(dst, tmp + (m - m0) * 16, sizeof(float) * width);
-            if (bias != NULL)
-                for (int64_t c = 0; c < width; c++) dst[c] += bias[n0 + c];
-        }
     }
+    free(xp);
     return 0;
 }
 """
@@ -222,7 +245,7 @@ class PanelWeight:
         rows = x2.shape[0]
         y = torch.empty(rows, self.out_features)
         if rows:
-            self._gemm(
+            status = self._gemm(
                 x2.data_ptr(),
                 x2.stride(0),
                 self.packed.data_ptr(),
@@ -233,4 +256,6 @@ class PanelWeight:
                 self.in_features,
                 torch.get_num_threads(),
             )
+            if status:
+                raise MemoryError(f"panel GEMM: no memory for a packed copy of {rows} input rows")
         return y.view(*lead, self.out_features)

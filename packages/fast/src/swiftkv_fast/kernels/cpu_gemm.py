@@ -6,24 +6,28 @@ with each input index's 16 weights side by side (zeros past `out`), one 64-byte 
 A register block of MR rows of x times one panel accumulates MR x 16 outputs: on AVX-512, MR = 16 in
 16 of the 32 vector registers (one 16-wide weight vector per input index, used by 16 broadcast x
 values), so a decode batch of up to 16 rows loads each weight once; on AVX2, MR = 6 in 12 of the 16
-(two 8-wide weight vectors per index). Each call first packs x in groups of MR rows, (ceil(M / MR), in, MR),
-so that a register block's broadcasts come from one sequential stream (one base pointer, where MR row
-pointers would spill the general registers). Passes of IN_BLOCK input features keep their slice of
-the panel in L1 while every register block of the item passes over it, and the next panel rows are prefetched
-PREFETCH lines ahead, the panels being one sequential stream, so that reading the weights from memory
-overlaps the FMAs instead of following them.
+(two 8-wide weight vectors per index). Each call first packs x in groups of MR rows, (ceil(M / MR),
+in, MR), so that a register block's broadcasts come from one sequential stream (one base pointer,
+where MR row pointers would spill the general registers). Passes of IN_BLOCK input features keep
+their slice of the panel in L1 while every register block of the item passes over it, and the panel
+rows PREFETCH lines ahead are prefetched, the panels being one sequential stream, so that reading
+the weights from memory overlaps the FMAs instead of following them.
 Work items are (block of ROWS_PER_ITEM rows, panel), split over torch's OpenMP threads in contiguous
 runs, so that each thread keeps its rows in cache across the panels it takes.
 
-Why it exists: decode GEMMs of 16 rows read every weight from memory once per step (the model's
-weights do not fit in cache), and a library's kernel, tuned for large products, does not overlap
-those reads with its FMAs. Measured with weights cycled from memory (400 MB), 16 rows, the embedded
-model's shapes: on a 2-core AMD EPYC Zen 3 (AVX2), 29-45 GFLOP/s through MKL (F.linear), 44-55
-through oneDNN, 66-74 through this kernel without the prefetch; on a 2-core AMD EPYC Zen 4 (AVX-512),
-40-55 / 95-125 / 120-155 with the prefetch and the 16-row blocks (75-95 without). From cache, or at
-thousands of rows, oneDNN is as fast or faster. The chooser times this kernel beside the libraries'
-and keeps whichever is faster per shape and row count, so a machine where a library wins keeps the
-library.
+Why it exists: a decode GEMM of 16 rows reads its weight from memory every step (the model's weights
+do not fit in cache), and the libraries' kernels, tuned for large products, do not overlap those
+reads with their FMAs. Measured with 16 rows and weights cycled from memory (400 MB), the embedded
+model's qkv, gate_up and down shapes, GFLOP/s:
+
+    2-core AMD EPYC Zen 3 (AVX2)      MKL (F.linear) 29-45, oneDNN 44-55, this kernel 66-74
+                                      (6-row blocks, before the prefetch and the packing of x)
+    2-core AMD EPYC Zen 4 (AVX-512)   MKL 44-68, oneDNN 80-143, this kernel 74-94 with 6-row blocks,
+                                      110-155 with the prefetch and 16-row blocks, 140-165 with x packed
+
+From cache, or at thousands of rows, oneDNN is as fast or faster (Zen 4, 4,096 rows: 200-215 against
+175-200). The chooser times this kernel beside the libraries' and keeps whichever is faster per shape
+and row count, so a machine where a library wins keeps the library.
 
 Built at first use by kernels/cpu_compile.py (-O3 -march=native, OpenMP where torch uses it). Without a
 compiler, or with SWIFTKV_CPU_GEMM_KERNEL=0, `PanelWeight` raises RuntimeError and the chooser drops

@@ -7,7 +7,8 @@ Four ways to compute y = x W^T + b for a checkpoint weight W (out_features, in_f
     mkldnn   oneDNN's prepacked fp32 inner product (torch.ops.mkldnn._reorder_linear_weight +
              _linear_pointwise, what Inductor's weight freezing uses on CPU): W reordered once
     panel    our compiled C kernel over W packed in 16-column panels (kernels/cpu_gemm.py; fp32,
-             needs a C compiler): 1.3-1.5x oneDNN on a 16-row decode batch on an AVX2 EPYC
+             needs a C compiler): 1.1-1.5x oneDNN on a 16-row decode batch with the weights read
+             from memory, on AMD EPYC Zen 3 (AVX2) and Zen 4 (AVX-512)
 
 Which one is fastest depends on the GEMM library, the CPU and the row count (one layout was 2.3x
 faster than the other on one x86 machine and slower on another), so `LinearKernelChooser` times

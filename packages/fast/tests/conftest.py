@@ -74,6 +74,23 @@ def reference_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[in
     return tokens, torch.stack(rows)
 
 
+def scattered_paged_cache(gen, *, kv_heads, dim, block_size, kv_lens, spare_blocks=2):
+    """Random K/V caches (num_blocks, block_size, kv_heads, dim) and int32 block tables (R, width) with
+    every request's blocks scattered over the cache (block 0 is the null block, never read: a table's
+    unused tail points at it)."""
+    width = max(-(-n // block_size) for n in kv_lens) + spare_blocks
+    num_reqs = len(kv_lens)
+    num_blocks = 1 + num_reqs * width
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1)[: num_reqs * width].view(num_reqs, width)
+    block_tables = torch.zeros(num_reqs, width, dtype=torch.int32)
+    for r, n in enumerate(kv_lens):
+        used = -(-n // block_size)
+        block_tables[r, :used] = ids[r, :used].to(torch.int32)
+    return k_cache, v_cache, block_tables
+
+
 def naive_decode(q, k_cache, v_cache, seq_lens, block_tables, window, scale):
     # q: (R, H, D); one query per request at position seq_lens[r] - 1
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]

@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import torch
+from conftest import scattered_paged_cache
 from swiftkv_fast.attention import TorchBackend
 from swiftkv_fast.kernels import cpu_compile, cpu_decode
 
@@ -17,17 +18,11 @@ needs_compiler = pytest.mark.skipif(
 
 
 def paged_case(seed, *, num_reqs, heads, kv_heads, dim, block_size, seq_lens, spare_blocks=2):
-    """Random q and K/V cache, every request's blocks scattered over the cache (block 0 is the null block)."""
+    """Random q and a K/V cache with every request's blocks scattered over it."""
     gen = torch.Generator().manual_seed(seed)
-    width = max(-(-n // block_size) for n in seq_lens) + spare_blocks
-    num_blocks = 1 + num_reqs * width
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
-    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1)[: num_reqs * width].view(num_reqs, width)
-    block_tables = torch.zeros(num_reqs, width, dtype=torch.int32)
-    for r, n in enumerate(seq_lens):
-        used = -(-n // block_size)
-        block_tables[r, :used] = ids[r, :used].to(torch.int32)
+    k_cache, v_cache, block_tables = scattered_paged_cache(
+        gen, kv_heads=kv_heads, dim=dim, block_size=block_size, kv_lens=seq_lens, spare_blocks=spare_blocks
+    )
     q = torch.randn(num_reqs, heads, dim, generator=gen)
     return q, k_cache, v_cache, torch.tensor(seq_lens, dtype=torch.int32), block_tables
 

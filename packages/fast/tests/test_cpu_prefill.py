@@ -8,7 +8,7 @@ import logging
 
 import pytest
 import torch
-from conftest import naive_prefill
+from conftest import naive_prefill, scattered_paged_cache
 from swiftkv_fast.attention import AttentionMetadata, TorchBackend
 from swiftkv_fast.kernels import cpu_compile, cpu_prefill
 
@@ -19,19 +19,11 @@ needs_compiler = pytest.mark.skipif(
 
 
 def prompt_case(seed, *, heads, kv_heads, dim, block_size, q_lens, kv_lens, spare_blocks=2):
-    """Random queries and K/V cache; every request's blocks scattered over the cache (block 0 is the null
-    block, never read: a table's unused tail points at it)."""
+    """Random queries and a K/V cache with every request's blocks scattered over it."""
     gen = torch.Generator().manual_seed(seed)
-    width = max(-(-n // block_size) for n in kv_lens) + spare_blocks
-    num_reqs = len(kv_lens)
-    num_blocks = 1 + num_reqs * width
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
-    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1)[: num_reqs * width].view(num_reqs, width)
-    block_tables = torch.zeros(num_reqs, width, dtype=torch.int32)
-    for r, n in enumerate(kv_lens):
-        used = -(-n // block_size)
-        block_tables[r, :used] = ids[r, :used].to(torch.int32)
+    k_cache, v_cache, block_tables = scattered_paged_cache(
+        gen, kv_heads=kv_heads, dim=dim, block_size=block_size, kv_lens=kv_lens, spare_blocks=spare_blocks
+    )
     q = torch.randn(sum(q_lens), heads, dim, generator=gen)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     return q, k_cache, v_cache, cu, torch.tensor(kv_lens, dtype=torch.int32), block_tables

@@ -194,6 +194,27 @@ def kernel(head_dim: int, group: int) -> Callable | None:
     return None if functions is None else functions["swiftkv_decode_attention"]
 
 
+def paged_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """What the paged C kernels (this one and kernels/cpu_prefill.py) read: q (..., H, D) with dense
+    heads, seq_lens int32 contiguous, block_tables int32 with unit column stride; None when the cache
+    blocks' rows are not dense (not a layout the engine makes)."""
+    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    if k_cache.stride()[1:] != (kv_heads * head_dim, head_dim, 1) or v_cache.stride() != k_cache.stride():
+        return None
+    if q.stride()[-2:] != (head_dim, 1):
+        q = q.contiguous()
+    block_tables = block_tables.to(torch.int32)
+    if block_tables.stride(1) != 1:
+        block_tables = block_tables.contiguous()
+    return q, seq_lens.to(torch.int32).contiguous(), block_tables
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -213,14 +234,10 @@ def decode_attention(
     fn = kernel(head_dim, num_heads // kv_heads)
     if fn is None:
         return None
-    if k_cache.stride()[1:] != (kv_heads * head_dim, head_dim, 1) or v_cache.stride() != k_cache.stride():
-        return None  # blocks whose rows are not dense: not a layout the engine makes
-    if q.stride()[1:] != (head_dim, 1):
-        q = q.contiguous()
-    seq_lens = seq_lens.to(torch.int32).contiguous()
-    block_tables = block_tables.to(torch.int32)
-    if block_tables.stride(1) != 1:
-        block_tables = block_tables.contiguous()
+    inputs = paged_inputs(q, k_cache, v_cache, seq_lens, block_tables)
+    if inputs is None:
+        return None
+    q, seq_lens, block_tables = inputs
     out = torch.empty((num_reqs, num_heads, head_dim), dtype=q.dtype)
     status = fn(
         q.data_ptr(),

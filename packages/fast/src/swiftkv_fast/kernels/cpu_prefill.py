@@ -306,15 +306,11 @@ def prefill_attention(
     fn = kernel(head_dim, num_heads // kv_heads)
     if fn is None:
         return None
-    if k_cache.stride()[1:] != (kv_heads * head_dim, head_dim, 1) or v_cache.stride() != k_cache.stride():
-        return None  # blocks whose rows are not dense: not a layout the engine makes
-    if q.stride()[1:] != (head_dim, 1):
-        q = q.contiguous()
+    inputs = cpu_decode.paged_inputs(q, k_cache, v_cache, seq_lens, block_tables)
+    if inputs is None:
+        return None
+    q, seq_lens, block_tables = inputs
     cu = cu_seqlens_q.to(torch.int32).contiguous()
-    seq_lens = seq_lens.to(torch.int32).contiguous()
-    block_tables = block_tables.to(torch.int32)
-    if block_tables.stride(1) != 1:
-        block_tables = block_tables.contiguous()
     num_reqs = seq_lens.shape[0]
     if cu.shape[0] != num_reqs + 1 or int(cu[-1]) != num_tokens or int(cu[0]) != 0:
         raise ValueError(

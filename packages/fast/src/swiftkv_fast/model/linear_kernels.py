@@ -197,7 +197,8 @@ def _eviction_buffer() -> torch.Tensor:
 
 
 def evict_caches() -> None:
-    """Reads a buffer twice the largest cache, so that what was cached before comes from memory next."""
+    """Reads a buffer twice the largest cache, so that what was cached before comes from memory next.
+    The buffer is kept until `LinearKernelChooser.finish` frees it."""
     _eviction_buffer().sum()
 
 
@@ -385,6 +386,7 @@ class LinearKernelChooser:
 
     def finish(self) -> None:
         """Saves new timings to the cache file and logs the choices and their memory in one line."""
+        _eviction_buffer.cache_clear()  # the cold timings' buffer: not held for the engine's lifetime
         if self.timed_cases and self.cache_path is not None:
             save_times(self.cache_path, self.times)
         if not self.on_cpu:

@@ -94,7 +94,7 @@ def build_weights(
     per running request."""
     L, n = config.num_key_value_layers, config.num_hidden_layers
     dtype, device = econf.dtype, econf.device
-    weight_bytes = sum(t.numel() for t in sd.values()) * torch.tensor([], dtype=dtype).element_size()
+    weight_bytes = sum(t.numel() for t in sd.values()) * dtype.itemsize
     kernels = LinearKernelChooser(
         econf.linear_kernel,
         device,

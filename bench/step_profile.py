@@ -6,7 +6,8 @@ the engine is restored, so outside a profiled run it runs untouched (no cost whe
 CPU ops are synchronous, so the wall time around a call is its cost (on CUDA each timer synchronizes).
 
 Categories, per step (summed over the step's calls):
-    linear     every Linear of the model: qkv, o, gate_up, down, SwiftKV's fused K/V, lm_head
+    linear     every Linear of the model: qkv, o, gate_up, down, SwiftKV's fused K/V, lm_head (with the
+               RMSNorm / SiLU-and-mul in front of it where the panel GEMM fuses them, model/layers.py)
     attention  the backend's `prefill` (the first half's attention: prompt and decode rows) and
                `decode` (the second half's) calls
     kv_write   the backend's `write_kv` calls
@@ -85,11 +86,20 @@ class _TimedLinear:
     def __init__(self, linear, prof: StepProfile):
         self.inner, self.prof = linear, prof
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def _timed(self, fn, *args) -> torch.Tensor:
         start = self.prof.clock()
-        y = self.inner(x)
+        y = fn(*args)
         self.prof.add("linear", self.prof.clock() - start)
         return y
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._timed(self.inner, x)
+
+    def after_norm(self, *args) -> torch.Tensor:
+        return self._timed(self.inner.after_norm, *args)
+
+    def after_silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._timed(self.inner.after_silu_and_mul, gate_up)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

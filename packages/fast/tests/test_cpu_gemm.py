@@ -95,3 +95,57 @@ def test_unavailable_kernel_is_dropped_by_the_chooser_with_one_line(why, monkeyp
         choice = forced.choose(name, torch.randn(8, 4), None, 16)
         assert choice.plan == ((lk.sys.maxsize, "linear"),)
     assert len([r for r in caplog.records if "'panel' failed" in r.getMessage()]) == 1
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows", [1, 6, 16, 17, 100])
+@pytest.mark.parametrize("with_delta", [False, True])
+@pytest.mark.parametrize("avx512", [True, False])
+def test_norm_prologue_matches_add_rms_norm_then_linear(rows, with_delta, avx512):
+    g = torch.Generator().manual_seed(rows + 7 * with_delta)
+    w, b = torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
+    norm_w = torch.rand(24, generator=g) + 0.5
+    h = torch.randn(rows, 24, generator=g) * 3
+    delta = torch.randn(rows, 48, generator=g)[:, ::2].contiguous() if with_delta else None
+    h_want = h.clone()
+    if delta is not None:
+        h_want += delta
+    normed = F.rms_norm(h_want, (24,), norm_w, 1e-5)
+    want = F.linear(normed, w, b)
+    packed = cpu_gemm.PanelWeight(w, avx512=avx512)
+    got = packed.linear_after_norm(h, delta, norm_w, 1e-5, b)
+    torch.testing.assert_close(got, want, rtol=0, atol=fp32_atol(want))
+    torch.testing.assert_close(h, h_want, rtol=0, atol=0)  # the residual add happened in place, once
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows", [1, 16, 33])
+@pytest.mark.parametrize("avx512", [True, False])
+def test_silu_prologue_matches_silu_and_mul_then_linear(rows, avx512):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(20, 30, generator=g)
+    gate_up = torch.randn(rows, 80, generator=g)[:, :60]  # (rows, 2 x 30), rows 80 apart
+    before = gate_up.clone()
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = F.linear(F.silu(gate) * up, w)
+    got = cpu_gemm.PanelWeight(w, avx512=avx512).linear_after_silu_and_mul(gate_up)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=fp32_atol(want))
+    assert torch.equal(gate_up, before)
+
+
+@needs_compiler
+def test_prologue_bad_input_is_refused_before_any_write():
+    packed = cpu_gemm.PanelWeight(torch.randn(8, 4))
+    h = torch.randn(3, 4)
+    before = h.clone()
+    with pytest.raises(ValueError, match="delta as fp32 CPU rows of 4"):
+        packed.linear_after_norm(h, torch.randn(3, 5), torch.ones(4), 1e-5)
+    with pytest.raises(ValueError, match="delta has 2 rows"):
+        packed.linear_after_norm(h, torch.randn(2, 4), torch.ones(4), 1e-5)
+    with pytest.raises(ValueError, match="norm_weight must be fp32"):
+        packed.linear_after_norm(h, None, torch.ones(5), 1e-5)
+    with pytest.raises(ValueError, match="rows dense"):
+        packed.linear_after_norm(torch.randn(4, 3).t(), None, torch.ones(4), 1e-5)
+    with pytest.raises(ValueError, match="gate_up as fp32 CPU rows of 8"):
+        packed.linear_after_silu_and_mul(torch.randn(3, 4))
+    assert torch.equal(h, before)

@@ -20,3 +20,29 @@ def test_linear_matches_f_linear(rows, with_bias):
     xs = torch.randn(rows, 80, generator=g)[:, ::2]
     want = F.linear(xs, w, b)
     torch.testing.assert_close(lin(xs), want, rtol=0, atol=fp32_atol(want))
+
+
+@pytest.mark.parametrize("kernel", ["panel", "linear", "mkldnn"])
+@pytest.mark.parametrize("rows", [1, 16])
+def test_fused_calls_equal_the_ops_one_after_the_other(kernel, rows):
+    """Linear.after_norm / after_silu_and_mul equal add_rms_norm / silu_and_mul then the Linear, whichever
+    kernel runs the row count (the panel GEMM fuses them into its packing, the others do not)."""
+    from swiftkv_fast.model.layers import add_rms_norm, silu_and_mul
+    from swiftkv_fast.model.linear_kernels import KernelChoice
+
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(48, 32, generator=g), torch.randn(48, generator=g)
+    try:
+        lin = Linear(w, b, KernelChoice.single(kernel, w))
+    except (RuntimeError, AttributeError) as e:  # no compiler / no oneDNN here
+        pytest.skip(f"{kernel} unavailable: {e}")
+    norm_w = torch.rand(32, generator=g) + 0.5
+    h, delta = torch.randn(rows, 32, generator=g), torch.randn(rows, 32, generator=g)
+    h_ref = h.clone()
+    want = lin(add_rms_norm(h_ref, delta, norm_w, 1e-6))
+    got = lin.after_norm(h, delta, norm_w, 1e-6)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=fp32_atol(want))
+    torch.testing.assert_close(h, h_ref, rtol=0, atol=0)
+    gate_up = torch.randn(rows, 64, generator=g)
+    want = lin(silu_and_mul(gate_up.clone()))
+    torch.testing.assert_close(lin.after_silu_and_mul(gate_up), want, rtol=1e-5, atol=fp32_atol(want))

@@ -211,8 +211,6 @@ class TorchBackend(AttentionBackend):
         flat[:, 1].index_copy_(1, slot_mapping, v.transpose(0, 1).to(kv_cache.dtype))
 
     def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, window, scale):
-        cu = meta.cu_seqlens_q.long()
-        q_lens = cu[1:] - cu[:-1]
         if meta.max_query_len == 1:
             out = self._compiled_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, window, scale)
             if out is not None:
@@ -224,6 +222,8 @@ class TorchBackend(AttentionBackend):
                 plan = decode_plan(meta.seq_lens, meta.block_tables, k_cache.shape[1], window)
                 meta.backend_cache[key] = plan
             return _decode_attention(q, k_cache, v_cache, plan, scale)
+        cu = meta.cu_seqlens_q.long()
+        q_lens = cu[1:] - cu[:-1]
         single = q_lens == 1
         if bool(single.any()):
             # NOTE: decode rows and prompt rows are served separately (no padding of decodes to max_q)

@@ -60,6 +60,30 @@ static inline float swiftkv_expf(float x) {
 }
 """
 
+# The model's row ops, shared by kernels/cpu_ops.py (as ops of their own) and kernels/cpu_gemm.py (fused
+# into the packing of a GEMM's input), so both compute them alike: RMSNorm with the residual add in
+# front, and SiLU-and-mul. Needs EXPF before it.
+ROW_OPS = r"""
+#include <math.h>
+/* h += d in place (d NULL: no add) over H values; returns RMSNorm's scale 1 / sqrt(mean(h^2) + eps):
+   the normed row is then (h[i] * scale) * w[i] */
+static inline float swiftkv_add_rms_scale(float *h, const float *d, int64_t H, float eps) {
+    float ss = 0.f;
+    if (d != NULL) {
+        for (int64_t i = 0; i < H; i++) {
+            const float x = h[i] + d[i];
+            h[i] = x;
+            ss += x * x;
+        }
+    } else {
+        for (int64_t i = 0; i < H; i++) ss += h[i] * h[i];
+    }
+    return 1.f / sqrtf(ss / (float)H + eps);
+}
+
+static inline float swiftkv_silu_mul(float gate, float up) { return gate / (1.f + swiftkv_expf(-gate)) * up; }
+"""
+
 _lock = threading.Lock()
 _built: dict[tuple, dict[str, ctypes._CFuncPtr] | None] = {}  # None: it did not build here
 _NOT_BUILT = object()

@@ -47,7 +47,10 @@ from swiftkv_fast.kernels import cpu_compile
 ENV_SWITCH = "SWIFTKV_CPU_GEMM_KERNEL"
 PANEL = 16  # output columns per panel
 
-SOURCE = r"""
+SOURCE = (
+    cpu_compile.EXPF
+    + cpu_compile.ROW_OPS
+    + r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -130,10 +133,18 @@ int swiftkv_gemm_pack(const float *w, int64_t ldw, int64_t N, int64_t K, float *
     return 0;
 }
 
-/* y (M, N) contiguous = x (M, K), rows ldx apart, times the packed W^T, plus bias (N,) unless NULL.
-   Returns 0, or 1 when the packed copy of x cannot be allocated. */
-int swiftkv_gemm(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t M,
-                 int64_t N, int64_t K, int num_threads) {
+/* What the packing of x applies to each row first (its result is the GEMM's input row of K values). */
+#define PROLOGUE_NONE 0      /* x (M, K): the rows as they are */
+#define PROLOGUE_RMS_NORM 1  /* x (M, K) is the residual stream h: h += d in place (d NULL: no add), then
+                                RMSNorm(h) * norm_w, as swiftkv_add_rms_norm computes it */
+#define PROLOGUE_SILU_MUL 2  /* x (M, 2 K) = [gate | up]: silu(gate) * up, as swiftkv_silu_and_mul */
+
+/* y (M, N) contiguous = f(x) times the packed W^T, plus bias (N,) unless NULL; x's rows ldx apart,
+   f the prologue (d's rows ldd apart). Returns 0, or 1 when the packed copy of x cannot be allocated
+   (nothing written then: the prologue's in-place add runs after the allocation). */
+int swiftkv_gemm(float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t M,
+                 int64_t N, int64_t K, int num_threads, int prologue, const float *d, int64_t ldd,
+                 const float *norm_w, float eps) {
     const int64_t panels = (N + 15) / 16, row_blocks = (M + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
     const int64_t groups = (M + MR - 1) / MR;
     /* x packed in groups of MR rows, (groups, K, MR), zero past M: every broadcast of a register
@@ -147,10 +158,17 @@ int swiftkv_gemm(const float *x, int64_t ldx, const float *packed, const float *
             for (int r = 0; r < MR; r++) {
                 const int64_t m = g * MR + r;
                 float *dst = xp + g * K * MR + r;
-                if (m < M)
-                    for (int64_t k = 0; k < K; k++) dst[MR * k] = x[m * ldx + k];
-                else
+                float *xr = x + (m < M ? m : 0) * ldx;
+                if (m >= M) {
                     for (int64_t k = 0; k < K; k++) dst[MR * k] = 0.f;
+                } else if (prologue == PROLOGUE_RMS_NORM) {
+                    const float s = swiftkv_add_rms_scale(xr, d != NULL ? d + m * ldd : NULL, K, eps);
+                    for (int64_t k = 0; k < K; k++) dst[MR * k] = (xr[k] * s) * norm_w[k];
+                } else if (prologue == PROLOGUE_SILU_MUL) {
+                    for (int64_t k = 0; k < K; k++) dst[MR * k] = swiftkv_silu_mul(xr[k], xr[K + k]);
+                } else {
+                    for (int64_t k = 0; k < K; k++) dst[MR * k] = xr[k];
+                }
             }
         #pragma omp for schedule(static)
         for (int64_t item = 0; item < row_blocks * panels; item++) {
@@ -182,11 +200,14 @@ int swiftkv_gemm(const float *x, int64_t ldx, const float *packed, const float *
     return 0;
 }
 """
+)
 
 _PACK_ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
 _PACK_ARGTYPES += [ctypes.c_int]
 _GEMM_ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
 _GEMM_ARGTYPES += [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+# the prologue: kind, d, ldd, norm_w, eps
+_GEMM_ARGTYPES += [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float]
 _SYMBOLS = {"swiftkv_gemm_pack": _PACK_ARGTYPES, "swiftkv_gemm": _GEMM_ARGTYPES}
 _SYMBOLS["swiftkv_gemm_rows_per_block"] = []
 
@@ -244,14 +265,47 @@ class PanelWeight:
         x2 = x.reshape(-1, self.in_features)
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
+        return self._run(x2, bias, _NONE).view(*lead, self.out_features)
+
+    def linear_after_norm(
+        self,
+        h: torch.Tensor,
+        delta: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """self.linear(add_rms_norm(h, delta, norm_weight, eps)) in one pass over h (model/layers.py's
+        add_rms_norm: h += delta in place, delta None: no add). h, delta: (T, in) fp32 with dense rows,
+        norm_weight (in,) -> (T, out)."""
+        _check_rows("h", h, self.in_features)
+        if delta is not None:
+            _check_rows("delta", delta, self.in_features)
+            if delta.shape[0] != h.shape[0]:
+                raise ValueError(f"delta has {delta.shape[0]} rows, h {h.shape[0]}")
+        if norm_weight.shape != (self.in_features,) or norm_weight.dtype != torch.float32:
+            got = f"{norm_weight.dtype} {tuple(norm_weight.shape)}"
+            raise ValueError(f"norm_weight must be fp32 ({self.in_features},), got {got}")
+        return self._run(h, bias, _RMS_NORM, delta, norm_weight.contiguous(), eps)
+
+    def linear_after_silu_and_mul(
+        self, gate_up: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """self.linear(silu(gate) * up) for gate_up = [gate | up] (T, 2 in) fp32 with dense rows, in one
+        pass over gate_up (no intermediate tensor) -> (T, out)."""
+        _check_rows("gate_up", gate_up, 2 * self.in_features)
+        return self._run(gate_up, bias, _SILU_MUL)
+
+    def _run(self, x, bias, prologue, delta=None, norm_weight=None, eps=0.0) -> torch.Tensor:
+        # x: (rows, in) (or (rows, 2 in) for _SILU_MUL) with unit column stride
         if bias is not None:
             bias = bias.to(torch.float32).contiguous()
-        rows = x2.shape[0]
+        rows = x.shape[0]
         y = torch.empty(rows, self.out_features)
         if rows:
             status = self._gemm(
-                x2.data_ptr(),
-                x2.stride(0),
+                x.data_ptr(),
+                x.stride(0),
                 self.packed.data_ptr(),
                 None if bias is None else bias.data_ptr(),
                 y.data_ptr(),
@@ -259,7 +313,26 @@ class PanelWeight:
                 self.out_features,
                 self.in_features,
                 torch.get_num_threads(),
+                prologue,
+                None if delta is None else delta.data_ptr(),
+                0 if delta is None else delta.stride(0),
+                None if norm_weight is None else norm_weight.data_ptr(),
+                eps,
             )
             if status:
                 raise MemoryError(f"panel GEMM: no memory for a packed copy of {rows} input rows")
-        return y.view(*lead, self.out_features)
+        return y
+
+
+_NONE, _RMS_NORM, _SILU_MUL = 0, 1, 2  # the C kernel's PROLOGUE_* values
+
+
+def _check_rows(name: str, t: torch.Tensor, width: int) -> None:
+    if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2 or t.shape[1] != width:
+        raise ValueError(
+            f"the panel GEMM takes {name} as fp32 CPU rows of {width}, got {t.dtype} {tuple(t.shape)}"
+        )
+    if t.stride(1) != 1:
+        raise ValueError(
+            f"the panel GEMM needs {name}'s rows dense (unit column stride), got strides {t.stride()}"
+        )

@@ -27,6 +27,7 @@ PARALLEL_MIN = 1 << 16  # elements below which a call runs on one thread (a para
 
 SOURCE = (
     cpu_compile.EXPF
+    + cpu_compile.ROW_OPS
     + r"""
 #include <math.h>
 #include <stdint.h>
@@ -38,18 +39,8 @@ int swiftkv_add_rms_norm(float *h, int64_t h_stride, const float *d, int64_t d_s
                          float *out, int64_t T, int64_t H, float eps, int num_threads) {
     #pragma omp parallel for num_threads(num_threads) if (T * H >= PARALLEL_MIN)
     for (int64_t t = 0; t < T; t++) {
-        float *ht = h + t * h_stride, *ot = out + t * H, ss = 0.f;
-        if (d != NULL) {
-            const float *dt = d + t * d_stride;
-            for (int64_t i = 0; i < H; i++) {
-                float x = ht[i] + dt[i];
-                ht[i] = x;
-                ss += x * x;
-            }
-        } else {
-            for (int64_t i = 0; i < H; i++) ss += ht[i] * ht[i];
-        }
-        const float r = 1.f / sqrtf(ss / (float)H + eps);
+        float *ht = h + t * h_stride, *ot = out + t * H;
+        const float r = swiftkv_add_rms_scale(ht, d != NULL ? d + t * d_stride : NULL, H, eps);
         for (int64_t i = 0; i < H; i++) ot[i] = (ht[i] * r) * w[i];
     }
     return 0;
@@ -62,7 +53,7 @@ int swiftkv_silu_and_mul(const float *gu, int64_t gu_stride, float *out, int64_t
     for (int64_t t = 0; t < T; t++) {
         const float *g = gu + t * gu_stride, *u = g + I;
         float *o = out + t * I;
-        for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.f + swiftkv_expf(-g[i])) * u[i];
+        for (int64_t i = 0; i < I; i++) o[i] = swiftkv_silu_mul(g[i], u[i]);
     }
     return 0;
 }

@@ -1,7 +1,8 @@
-"""Small layers: Linear (its kernel chosen per row count, model/linear_kernels.py), RMSNorm (and the
-residual add fused in front of it), RoPE (cos/sin table, applied in place), SiLU-and-mul. On CPU in
-fp32 the last three run as C kernels (kernels/cpu_ops.py) where they can be built; the torch code
-here is the portable path and their specification."""
+"""Small layers: Linear (its kernel chosen per row count, model/linear_kernels.py; `after_norm` and
+`after_silu_and_mul` also run the op in front of it, fused into the panel GEMM where that kernel
+runs), RMSNorm (and the residual add fused in front of it), RoPE (cos/sin table, applied in place),
+SiLU-and-mul. On CPU in fp32 the last three run as C kernels (kernels/cpu_ops.py) where they can be
+built; the torch code here is the portable path and their specification."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from swiftkv_fast.kernels import cpu_ops
+from swiftkv_fast.kernels.cpu_gemm import PanelWeight
 from swiftkv_fast.model.linear_kernels import KERNELS, KernelChoice
 
 
@@ -21,7 +23,7 @@ class Linear:
     LinearKernelChooser picks them by measurement); without one, F.linear on W as it is.
     """
 
-    __slots__ = ("in_features", "out_features", "bias", "layouts", "plan", "_bounds", "_runs")
+    __slots__ = ("in_features", "out_features", "bias", "layouts", "plan", "_bounds", "_runs", "_panels")
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, choice: KernelChoice | None = None
@@ -32,11 +34,32 @@ class Linear:
         self.layouts, self.plan = choice.layouts, choice.plan
         self._bounds = [rows for rows, _ in choice.plan[:-1]]
         self._runs = [(KERNELS[k].run, choice.layouts[k]) for _, k in choice.plan]
+        # per plan entry, the PanelWeight when the panel GEMM runs it: it fuses the op before it
+        self._panels = [layout if isinstance(layout, PanelWeight) else None for _, layout in self._runs]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: (T, in_features) -> (T, out_features)
         run, layout = self._runs[bisect_left(self._bounds, x.shape[0])]
         return run(x, layout, self.bias)
+
+    def after_norm(
+        self, h: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """self(add_rms_norm(h, delta, norm_weight, eps)): h += delta in place, then this layer on the
+        normed rows. Where the row count's kernel is the panel GEMM, the add and the norm happen while
+        it packs its input (one call, no normed copy); elsewhere they are add_rms_norm's own pass."""
+        panel = self._panels[bisect_left(self._bounds, h.shape[0])]
+        if panel is not None:
+            return panel.linear_after_norm(h, delta, norm_weight, eps, self.bias)
+        return self(add_rms_norm(h, delta, norm_weight, eps))
+
+    def after_silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """self(silu_and_mul(gate_up)), fused into the panel GEMM's packing where it runs (as after_norm).
+        gate_up: (T, 2 * in_features)."""
+        panel = self._panels[bisect_left(self._bounds, gate_up.shape[0])]
+        if panel is not None:
+            return panel.linear_after_silu_and_mul(gate_up, self.bias)
+        return self(silu_and_mul(gate_up))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

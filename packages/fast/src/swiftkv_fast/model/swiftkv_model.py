@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from swiftkv_fast.attention.base import AttentionBackend
 from swiftkv_fast.distributed.parallel_state import SINGLE, TensorParallelGroup
 from swiftkv_fast.model.kv_cache_layout import KVCacheLayout
-from swiftkv_fast.model.layers import Linear, RotaryTable, add_rms_norm, rms_norm, silu_and_mul
+from swiftkv_fast.model.layers import Linear, RotaryTable
 from swiftkv_fast.model.model_input import ModelInput
 
 
@@ -88,8 +88,8 @@ class SwiftKVModel:
     def _layer_tail(self, h: torch.Tensor, attn: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
         """o_proj and the MLP of a layer after its attention output attn (T, heads * head_dim): o_proj's
         residual is added to h (in place); the MLP's output is returned, for the next add_rms_norm."""
-        x = add_rms_norm(h, self.tp.all_reduce(lw.o(attn)), lw.post_norm, self.eps)
-        return self.tp.all_reduce(lw.down(silu_and_mul(lw.gate_up(x))))
+        gate_up = lw.gate_up.after_norm(h, self.tp.all_reduce(lw.o(attn)), lw.post_norm, self.eps)
+        return self.tp.all_reduce(lw.down.after_silu_and_mul(gate_up))
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         # (T,) -> (T, hidden); a rank looks up the ids of its vocab rows, zeros elsewhere, then the sum
@@ -112,8 +112,7 @@ class SwiftKVModel:
         mlp_out = None  # the previous layer's MLP output: the next norm adds it to h
         for lw in self.w.layers[: self.L]:
             grp = inp.groups[lw.group]
-            x = add_rms_norm(h, mlp_out, lw.input_norm, self.eps)
-            qkv = lw.qkv(x)  # (T, (nh + 2 kvh) hd)
+            qkv = lw.qkv.after_norm(h, mlp_out, lw.input_norm, self.eps)  # (T, (nh + 2 kvh) hd)
             # RoPE on q and k in one pass, in place: (T, nh + kvh, hd)
             qk = rope.apply_(qkv[:, : (nh + kvh) * hd].view(-1, nh + kvh, hd))
             q, k = qk[:, :nh], qk[:, nh:]
@@ -125,8 +124,8 @@ class SwiftKVModel:
         if mlp_out is not None:
             h = h.add_(mlp_out)
         if self.w.kv_swiftkv is not None:
-            s = rms_norm(h, self.w.norm_swiftkv, self.eps)
-            kv = self.w.kv_swiftkv(s).view(s.shape[0], 2, -1, kvh, hd)
+            kv = self.w.kv_swiftkv.after_norm(h, None, self.w.norm_swiftkv, self.eps)
+            kv = kv.view(h.shape[0], 2, -1, kvh, hd)
             n_sk = kv.shape[2]  # (T, 2, n_swiftkv_cache_layers, kvh, hd)
             rope.apply_(kv[:, 0].view(-1, n_sk * kvh, hd))
             k, v = kv[:, 0], kv[:, 1]
@@ -161,8 +160,7 @@ class SwiftKVModel:
         h = h.clone()  # the residual stream is updated in place; the caller's input stays as it was
         mlp_out = None
         for lw in self.w.layers[self.L :]:
-            x = add_rms_norm(h, mlp_out, lw.input_norm, self.eps)
-            q = rope.apply_(lw.qkv(x).view(-1, nh, hd))
+            q = rope.apply_(lw.qkv.after_norm(h, mlp_out, lw.input_norm, self.eps).view(-1, nh, hd))
             p = self.kv_slot[lw.cache_layer]
             o = self.backend.decode(
                 q,
@@ -174,5 +172,4 @@ class SwiftKVModel:
                 self.scale,
             )
             mlp_out = self._layer_tail(h, o.flatten(1), lw)
-        h = add_rms_norm(h, mlp_out, self.w.norm, self.eps)
-        return self.tp.all_gather(self.w.lm_head(h).float())  # (S, vocab)
+        return self.tp.all_gather(self.w.lm_head.after_norm(h, mlp_out, self.w.norm, self.eps).float())

@@ -254,3 +254,17 @@ def test_greedy_tokens_do_not_depend_on_the_kernel(model):
         if kernel == "linear" and config.tie_word_embeddings:  # the tied lm_head reads the embedding
             assert lm_head.layouts["linear"].data_ptr() == llm.llm_engine.runner.model.w.embed.data_ptr()
     assert got["matmul"] == got["linear"] == got["mkldnn"] == got["panel"]
+
+
+def test_a_changed_panel_kernel_is_timed_afresh(tmp_path, monkeypatch):
+    """The timings cache is keyed by the panel GEMM's source too: timings of an older kernel are not
+    reused for a new one."""
+    before = lk.cache_file(tmp_path)
+    monkeypatch.setattr(lk.cpu_gemm, "SOURCE", lk.cpu_gemm.SOURCE + "\n/* changed */\n")
+    lk.machine_key.cache_clear()
+    try:
+        assert lk.cache_file(tmp_path) != before
+    finally:
+        monkeypatch.undo()
+        lk.machine_key.cache_clear()
+    assert lk.cache_file(tmp_path) == before

@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from swiftkv_fast.kernels import cpu_gemm
 from swiftkv_fast.kernels.cpu_gemm import PanelWeight
 from swiftkv_fast.logger import init_logger
 
@@ -160,7 +161,8 @@ def _cpuinfo_field(name: str) -> str:
 
 @cache
 def machine_key() -> dict[str, object]:
-    """What kernel timings depend on; a cache file measured under another key is not used."""
+    """What kernel timings depend on; a cache file measured under another key is not used. The panel
+    GEMM's source is part of it: a changed kernel is timed afresh."""
     flags = _cpuinfo_field("flags") or _cpuinfo_field("Features")
     return {
         "cpu": cpu_model(),
@@ -169,6 +171,7 @@ def machine_key() -> dict[str, object]:
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "mkldnn": torch.backends.mkldnn.is_available(),
+        "panel_gemm": hashlib.sha1(cpu_gemm.SOURCE.encode()).hexdigest()[:12],
     }
 
 

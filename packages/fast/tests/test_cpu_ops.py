@@ -157,3 +157,28 @@ def test_write_kv_slot_outside_the_cache_raises_and_writes_nothing():
     with pytest.raises(ValueError, match="outside the cache of 8"):
         cpu_ops.write_kv(kv_cache, k, v, torch.tensor([3, 8]))
     assert not kv_cache.any()
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows, vocab", [(1, 1), (3, 7), (16, 49152), (2, cpu_ops.PARALLEL_MIN + 5)])
+def test_argmax_rows_equals_torch_argmax_with_ties_nan_and_inf(rows, vocab):
+    g = torch.Generator().manual_seed(rows * vocab)
+    x = torch.randn(rows, 2 * vocab, generator=g)[:, :vocab]  # strided rows
+    want = x.argmax(dim=-1)
+    assert torch.equal(cpu_ops.argmax_rows(x), want)
+    if vocab < 7:
+        return
+    x = x.clone()
+    x[0] = float("-inf")  # every id banned: the first one, as torch
+    x[-1, 2] = x[-1, 5] = 1e9  # a tie: the first one
+    if rows > 1:
+        x[1, 4] = float("nan")  # a NaN: as torch, the NaN
+        x[1, 6] = float("nan")
+    x[rows // 2, vocab - 1] = float("inf")
+    assert torch.equal(cpu_ops.argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_argmax_rows_leaves_other_inputs_to_torch():
+    assert cpu_ops.argmax_rows(torch.randn(2, 5, dtype=torch.float64)) is None
+    assert cpu_ops.argmax_rows(torch.randn(5)) is None
+    assert cpu_ops.argmax_rows(torch.randn(3, 4).t()) is None

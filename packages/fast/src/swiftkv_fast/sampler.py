@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from swiftkv_fast.kernels import cpu_ops
 from swiftkv_fast.sampling_params import SamplingParams
 
 
@@ -54,6 +55,13 @@ def _mask_banned(logits: torch.Tensor, banned: list[list[int]] | None) -> torch.
     return logits.index_put((rows, cols), torch.tensor(float("-inf"), dtype=logits.dtype))
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    # (B, vocab) -> (B,) int64: the C kernel on CPU fp32 where it can be built
+    if logits.device.type == "cpu" and (tokens := cpu_ops.argmax_rows(logits)) is not None:
+        return tokens
+    return logits.argmax(dim=-1)
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -68,7 +76,7 @@ def sample(
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
     logits = _mask_banned(logits, banned)
-    tokens = logits.argmax(dim=-1)
+    tokens = _argmax(logits)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         sel = torch.tensor(rows)

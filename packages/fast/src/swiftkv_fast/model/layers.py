@@ -62,11 +62,6 @@ class Linear:
         return self(silu_and_mul(gate_up))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # x: (T, hidden) -> (T, hidden)
-    return add_rms_norm(x, None, weight, eps)
-
-
 def add_rms_norm(
     h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:

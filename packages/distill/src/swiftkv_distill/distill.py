@@ -160,8 +160,9 @@ class _ChunkedKL(torch.autograd.Function):
     """T^2 * mean over the P rows of KL(softmax(teacher / T) || softmax(student / T)), and its gradient
     with respect to the student's logits, T / P * (softmax(student / T) - softmax(teacher / T)),
     computed in the same pass, CHUNK_BYTES of rows at a time: each chunk's softmaxes stay in cache
-    where autograd's graph would make a dozen passes over (P, vocab) tensors in memory (on CPU, about a
-    third of a distillation step at a 49,152-token vocabulary). The gradient is kept for backward."""
+    where autograd's graph makes a dozen passes over (P, vocab) tensors in memory. Measured on CPU for
+    800 positions x 49,152 tokens: 373 ms forward + backward against autograd's 741 (of a ~5 s step).
+    The gradient is kept for backward."""
 
     CHUNK_BYTES = 4 << 20
 

@@ -56,10 +56,9 @@ def _mask_banned(logits: torch.Tensor, banned: list[list[int]] | None) -> torch.
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    # (B, vocab) -> (B,) int64: the C kernel on CPU fp32 where it can be built
-    if logits.device.type == "cpu" and (tokens := cpu_ops.argmax_rows(logits)) is not None:
-        return tokens
-    return logits.argmax(dim=-1)
+    # (B, vocab) -> (B,) int64: the C kernel on CPU fp32 rows where it can be built (else None)
+    tokens = cpu_ops.argmax_rows(logits)
+    return tokens if tokens is not None else logits.argmax(dim=-1)
 
 
 def sample(

@@ -101,6 +101,26 @@ def test_threads_do_not_change_the_result():
     assert torch.equal(one, two)  # each (request, KV head) is one thread's work, in a fixed order
 
 
+@needs_compiler
+@pytest.mark.parametrize("num_reqs", [1, 2])
+def test_fewer_requests_than_threads_split_the_heads(num_reqs):
+    # a request's KV heads are split over items when the threads outnumber the requests: the same
+    # result, bit for bit, as one item per request
+    q, k, v, lens, tables = paged_case(
+        5, num_reqs=num_reqs, heads=12, kv_heads=4, dim=32, block_size=8, seq_lens=[70, 33][:num_reqs]
+    )
+    threads = torch.get_num_threads()
+    got = []
+    try:
+        for n in [1, 2, 3, 8]:
+            torch.set_num_threads(n)
+            got.append(cpu_decode.decode_attention(q, k, v, lens, tables, None, 0.2))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(got[0], other) for other in got[1:])
+    torch.testing.assert_close(got[0], gathered(q, k, v, lens, tables, None, 0.2), rtol=1e-5, atol=1e-5)
+
+
 def test_not_applicable_inputs_fall_back_to_gather():
     q, k, v, lens, tables = paged_case(
         4, num_reqs=2, heads=4, kv_heads=2, dim=12, block_size=4, seq_lens=[5, 7]

@@ -1,7 +1,8 @@
 """The compiled panel GEMM (kernels/cpu_gemm.py) against F.linear: widths that do not fill a panel,
-row counts across the register blocks (16 rows on AVX-512, 6 on AVX2; both paths built here) and the
-96-row items, strided and 3-d inputs, bias, thread
-counts; bad input; and the chooser dropping it when it cannot be built."""
+inputs longer than one pass of IN_BLOCK features, row counts across the register blocks (up to 16 rows
+on AVX-512, 6 on AVX2, both paths built here; equal blocks such as 6 + 5 + 5, and full ones with a
+short last) and the ~96-row items, strided and 3-d inputs, bias, thread counts; bad input; and the
+chooser dropping it when it cannot be built."""
 
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ def fp32_atol(want: torch.Tensor) -> float:
 
 
 @needs_compiler
-@pytest.mark.parametrize("out_features, in_features", [(16, 8), (33, 5), (100, 64), (7, 130)])
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 17, 97, 200])
+@pytest.mark.parametrize("out_features, in_features", [(16, 8), (33, 5), (100, 64), (7, 130), (40, 600)])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 8, 15, 16, 17, 31, 97, 200])
 @pytest.mark.parametrize("avx512", [True, False])
 def test_matches_f_linear(out_features, in_features, rows, avx512):
     g = torch.Generator().manual_seed(rows * 1000 + out_features)

@@ -6,19 +6,24 @@ with each input index's 16 weights side by side (zeros past `out`), one 64-byte 
 A register block of MR rows of x times one panel accumulates MR x 16 outputs: on AVX-512, MR = 16 in
 16 of the 32 vector registers (one 16-wide weight vector per input index, used by 16 broadcast x
 values), so a decode batch of up to 16 rows loads each weight once; on AVX2, MR = 6 in 12 of the 16
-(two 8-wide weight vectors per index). Each call first packs x in groups of MR rows, (ceil(M / MR),
-in, MR), so that a register block's broadcasts come from one sequential stream (one base pointer,
-where MR row pointers would spill the general registers); the packing can first apply the op in front
-of the layer to each row (`linear_after_norm`: the residual add and RMSNorm, `linear_after_silu_and_mul`),
-so that these cost neither a call nor a pass of their own. Passes of IN_BLOCK input features keep
-their slice of the panel in L1 while every register block of the item passes over it, and the panel
-rows PREFETCH lines ahead are prefetched into L2, the panels being one sequential stream, so that
-reading the weights from memory overlaps the FMAs instead of following them. Into L2, not L1 alone
-(prefetcht2, not prefetchnta): measured on Zen 4 at 16 rows with the weights cycled from memory,
-interleaved in one process, 145 -> 157 GFLOP/s with the 16-row blocks and 112 -> 125-138 with the
-6-row (AVX2) ones; the prefetch distance (64 to 512 lines) changed nothing there.
-Work items are (block of ROWS_PER_ITEM rows, panel), split over torch's OpenMP threads in contiguous
-runs, so that each thread keeps its rows in cache across the panels it takes.
+(two 8-wide weight vectors per index). The rows are cut into register blocks of equal size where that
+costs each at most one row (16 rows on AVX2: 6 + 5 + 5), else into blocks of MR and a shorter last.
+Each call first packs x by register block, (blocks, in, MR), so that a block's broadcasts come from
+one sequential stream (one base pointer, where MR row pointers would spill the general registers);
+the packing can first apply the op in front of the layer to each row (`linear_after_norm`: the
+residual add and RMSNorm, `linear_after_silu_and_mul`), so that these cost neither a call nor a pass
+of their own. Passes of IN_BLOCK input features keep their slice of the panel in L1 while every
+register block of the item passes over it; meanwhile the next slice in memory (the panels are one
+sequential stream) is prefetched into L2, each register block taking an equal share of its lines, so
+that memory stays busy while the later blocks reuse the slice from L1 and reading the weights
+overlaps the FMAs instead of following them. Into L2, not L1 alone (prefetcht2, not prefetchnta):
+measured on Zen 4 at 16 rows with the weights cycled from memory, interleaved in one process, 145 ->
+157 GFLOP/s with the 16-row blocks and 112 -> 125-138 with the 6-row (AVX2) ones. On Zen 3 (AVX2),
+16 rows, weights cycled from memory, interleaved: the prefetch spread over the blocks rather than a
+fixed distance ahead of the first, then 6 + 5 + 5 rows rather than 6 + 6 + 4, took the model's five
+shapes from 66-86 to 73-93 GFLOP/s (8 rows: 6 + 2 stays; 4 + 4 measured slower).
+Work items are (run of GROUPS_PER_ITEM register blocks, about 96 rows; panel), split over torch's
+OpenMP threads in contiguous runs, so that each thread keeps its rows in cache across its panels.
 
 Why it exists: a decode GEMM of 16 rows reads its weight from memory every step (the model's weights
 do not fit in cache), and the libraries' kernels, tuned for large products, do not overlap those
@@ -60,10 +65,7 @@ SOURCE = (
 #include <stdlib.h>
 #include <string.h>
 
-#define ROWS_PER_ITEM 96  /* rows of x an item keeps in cache across its panel */
-#define IN_BLOCK 256      /* input features per pass: 16 KB of panel stays in L1 across the row blocks */
-#define PREFETCH 128      /* panel rows (64 B each) read ahead, the packed panels being one stream (a
-                             prefetch past the end is a hint that never faults) */
+#define IN_BLOCK 256  /* input features per pass: 16 KB of panel stays in L1 across the row blocks */
 
 #if defined(__AVX512F__) && !SWIFTKV_NO_AVX512
 /* 32 vector registers of 16 lanes: up to 16 rows x one panel in 16 accumulators, so a 16-row decode
@@ -72,11 +74,11 @@ SOURCE = (
 typedef float vec __attribute__((vector_size(64), aligned(4)));
 #define MICRO(R)                                                                                  \
 static void micro##R(const float *x, const float *panel, int64_t K, float *y,                     \
-                     int64_t ldy, int add) {                                                      \
+                     int64_t ldy, int add, const char *pf, int64_t pf_step) {                     \
     vec acc[R];                                                                                   \
     for (int r = 0; r < R; r++) acc[r] = add ? *(const vec *)(y + r * ldy) : (vec){0};             \
     for (int64_t k = 0; k < K; k++) {                                                             \
-        __builtin_prefetch(panel + 16 * (k + PREFETCH), 0, 1);                                    \
+        __builtin_prefetch(pf + pf_step * k, 0, 1);                                               \
         const vec w = *(const vec *)(panel + 16 * k);                                             \
         for (int r = 0; r < R; r++) acc[r] += x[MR * k + r] * w;                                  \
     }                                                                                             \
@@ -92,14 +94,14 @@ MICRO(9) MICRO(10) MICRO(11) MICRO(12) MICRO(13) MICRO(14) MICRO(15) MICRO(16)
 typedef float vec __attribute__((vector_size(32), aligned(4)));
 #define MICRO(R)                                                                                  \
 static void micro##R(const float *x, const float *panel, int64_t K, float *y,                     \
-                     int64_t ldy, int add) {                                                      \
+                     int64_t ldy, int add, const char *pf, int64_t pf_step) {                     \
     vec acc[R][2];                                                                                \
     for (int r = 0; r < R; r++) {                                                                 \
         acc[r][0] = add ? *(const vec *)(y + r * ldy) : (vec){0};                                 \
         acc[r][1] = add ? *(const vec *)(y + r * ldy + 8) : (vec){0};                             \
     }                                                                                             \
     for (int64_t k = 0; k < K; k++) {                                                             \
-        __builtin_prefetch(panel + 16 * (k + PREFETCH), 0, 1);                                    \
+        __builtin_prefetch(pf + pf_step * k, 0, 1);                                               \
         const vec w0 = *(const vec *)(panel + 16 * k), w1 = *(const vec *)(panel + 16 * k + 8);   \
         for (int r = 0; r < R; r++) {                                                             \
             const float xv = x[MR * k + r];                                                       \
@@ -115,13 +117,21 @@ static void micro##R(const float *x, const float *panel, int64_t K, float *y,   
 MICRO(1) MICRO(2) MICRO(3) MICRO(4) MICRO(5) MICRO(6)
 #define MICROS {micro1, micro2, micro3, micro4, micro5, micro6}
 #endif
+#define GROUPS_PER_ITEM (96 / MR)  /* register blocks (about 96 rows of x) an item keeps in cache across
+                                      its panel */
 
 /* y[R][16] (rows ldy apart) = x[R][K] (rows ldx apart) . panel[K][16], plus y's own values when `add`
    (the partial sums of the preceding K block); R <= MR */
-typedef void (*micro_fn)(const float *, const float *, int64_t, float *, int64_t, int);
+typedef void (*micro_fn)(const float *, const float *, int64_t, float *, int64_t, int, const char *, int64_t);
 static const micro_fn micro[MR] = MICROS;
 
 int swiftkv_gemm_rows_per_block(void) { return MR; }
+
+/* the first row of register block g when the first `extra` blocks hold base + 1 rows, the rest base */
+static inline int64_t group_start(int64_t g, int64_t base, int64_t extra, int64_t M) {
+    const int64_t m = g * base + (g < extra ? g : extra);
+    return m < M ? m : M;
+}
 
 /* w: (N, K) rows ldw apart -> packed: (ceil(N / 16), K, 16), zero past N. */
 int swiftkv_gemm_pack(const float *w, int64_t ldw, int64_t N, int64_t K, float *packed, int num_threads) {
@@ -150,21 +160,27 @@ int swiftkv_gemm_pack(const float *w, int64_t ldw, int64_t N, int64_t K, float *
 int swiftkv_gemm(float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t M,
                  int64_t N, int64_t K, int num_threads, int prologue, const float *d, int64_t ldd,
                  const float *norm_w, float eps) {
-    const int64_t panels = (N + 15) / 16, row_blocks = (M + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
+    /* register blocks ("groups") of equal sizes where that costs each at most one row (16 rows on
+       AVX2: 6 + 5 + 5, not 6 + 6 + 4, whose 4-row block takes nearly as long as a 6-row one); else
+       MR rows each and the rest in the last (8 rows: 6 + 2, faster there than 4 + 4) */
     const int64_t groups = (M + MR - 1) / MR;
-    /* x packed in groups of MR rows, (groups, K, MR), zero past M: every broadcast of a register
-       block comes from one sequential stream */
+    int64_t base = groups ? M / groups : 0, extra = groups ? M % groups : 0;
+    if (base < MR - 1) base = MR, extra = 0;
+#define GROUP_START(g) group_start(g, base, extra, M)
+    const int64_t panels = (N + 15) / 16, group_blocks = (groups + GROUPS_PER_ITEM - 1) / GROUPS_PER_ITEM;
+    /* x packed by group, (groups, K, MR), zero past a group's rows: every broadcast of a register block
+       comes from one sequential stream */
     float *xp = malloc(sizeof(float) * groups * K * MR);
     if (xp == NULL) return 1;
-    #pragma omp parallel num_threads(num_threads) if (row_blocks * panels > 1)
+    #pragma omp parallel num_threads(num_threads) if (group_blocks * panels > 1)
     {
         #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++)
             for (int r = 0; r < MR; r++) {
-                const int64_t m = g * MR + r;
+                const int64_t m = GROUP_START(g) + r;
                 float *dst = xp + g * K * MR + r;
                 float *xr = x + (m < M ? m : 0) * ldx;
-                if (m >= M) {
+                if (m >= GROUP_START(g + 1)) {
                     for (int64_t k = 0; k < K; k++) dst[MR * k] = 0.f;
                 } else if (prologue == PROLOGUE_RMS_NORM) {
                     const float s = swiftkv_add_rms_scale(xr, d != NULL ? d + m * ldd : NULL, K, eps);
@@ -176,20 +192,27 @@ int swiftkv_gemm(float *x, int64_t ldx, const float *packed, const float *bias, 
                 }
             }
         #pragma omp for schedule(static)
-        for (int64_t item = 0; item < row_blocks * panels; item++) {
-            const int64_t m0 = (item / panels) * ROWS_PER_ITEM, p = item % panels;
-            const int64_t m1 = m0 + ROWS_PER_ITEM < M ? m0 + ROWS_PER_ITEM : M, n0 = 16 * p;
+        for (int64_t item = 0; item < group_blocks * panels; item++) {
+            const int64_t g0 = (item / panels) * GROUPS_PER_ITEM, p = item % panels;
+            const int64_t g1 = g0 + GROUPS_PER_ITEM < groups ? g0 + GROUPS_PER_ITEM : groups;
+            const int64_t m0 = GROUP_START(g0), m1 = GROUP_START(g1), n0 = 16 * p;
             const float *panel = packed + p * K * 16;
             const int full = n0 + 16 <= N;
-            float tmp[ROWS_PER_ITEM * 16];  /* a panel past N: its outputs before the copy */
+            float tmp[GROUPS_PER_ITEM * MR * 16];  /* a panel past N: its outputs before the copy */
             float *out = full ? y + m0 * N + n0 : tmp;
             const int64_t ldo = full ? N : 16;
             for (int64_t k0 = 0; k0 < K; k0 += IN_BLOCK) {
                 const int64_t kc = K - k0 < IN_BLOCK ? K - k0 : IN_BLOCK;
-                for (int64_t m = m0; m < m1; m += MR) {
-                    const int rows = m1 - m < MR ? (int)(m1 - m) : MR;
-                    const float *xg = xp + (m / MR) * K * MR + k0 * MR;
-                    micro[rows - 1](xg, panel + 16 * k0, kc, out + (m - m0) * ldo, ldo, k0 > 0);
+                /* the next kc panel rows in memory (the rest of this panel, then the next one) are
+                   prefetched while this slice runs, spread evenly over its g1 - g0 register blocks, so
+                   that memory stays busy while the later blocks reuse the slice from L1 */
+                const int64_t step = (64 + (g1 - g0) - 1) / (g1 - g0);
+                const char *ahead = (const char *)(panel + 16 * (k0 + kc));
+                for (int64_t g = g0; g < g1; g++) {
+                    const int64_t m = GROUP_START(g);
+                    micro[GROUP_START(g + 1) - m - 1](xp + g * K * MR + k0 * MR, panel + 16 * k0, kc,
+                                                      out + (m - m0) * ldo, ldo, k0 > 0,
+                                                      ahead + (g - g0) * step * kc, step);
                 }
             }
             const int64_t width = full ? 16 : N - n0;

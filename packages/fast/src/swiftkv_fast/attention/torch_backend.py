@@ -199,7 +199,7 @@ class TorchBackend(AttentionBackend):
 
     def write_kv(self, kv_cache, k, v, slot_mapping):
         # kv_cache: (n_layers, 2, num_blocks, block_size, kv_heads, head_dim); k, v: (T, n_layers, kvh, hd)
-        if kv_cache.device.type == "cpu" and cpu_ops.write_kv(kv_cache, k, v, slot_mapping):
+        if kv_cache.is_cpu and cpu_ops.write_kv(kv_cache, k, v, slot_mapping):
             return  # a C copy per row: a decode step's 16 rows cost ~0.1 ms of torch calls per layer
         n_layers, _, num_blocks, block_size = kv_cache.shape[:4]
         flat = kv_cache.view(n_layers, 2, num_blocks * block_size, *kv_cache.shape[4:])
@@ -253,7 +253,7 @@ class TorchBackend(AttentionBackend):
             )
             if out is not None:
                 return out
-        if q.device.type == "cpu":
+        if q.is_cpu:
             lens, kv_lens = q_lens.tolist(), meta.seq_lens.tolist()
             cost = sdpa_cost(q.shape[1], k_cache.shape[2], q.shape[2], q.dtype)
             if cost.per_request_is_faster(lens, kv_lens, q.shape[1], window):

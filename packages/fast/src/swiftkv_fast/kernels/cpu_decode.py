@@ -178,7 +178,7 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """The kernel applies: fp32 CPU tensors, head_dim a multiple of 8 (at most 256), group <= MAX_GROUP."""
     head_dim, kv_heads = k_cache.shape[-1], k_cache.shape[-2]
     return (
-        q.device.type == "cpu"
+        q.is_cpu
         and q.dtype == k_cache.dtype == torch.float32
         and head_dim % 8 == 0
         and head_dim <= 256

@@ -261,7 +261,7 @@ class PanelWeight:
             raise RuntimeError(
                 f"the panel GEMM kernel is unavailable here (no C compiler, or {ENV_SWITCH}=0)"
             )
-        if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        if weight.dtype != torch.float32 or not weight.is_cpu or weight.dim() != 2:
             raise ValueError(f"the panel GEMM takes a 2-d fp32 CPU weight, got {weight.dtype} {weight.shape}")
         if weight.stride(1) != 1:
             weight = weight.contiguous()
@@ -356,7 +356,7 @@ _NONE, _RMS_NORM, _SILU_MUL = 0, 1, 2  # the C kernel's PROLOGUE_* values
 
 
 def _check_rows(name: str, t: torch.Tensor, width: int) -> None:
-    if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2 or t.shape[1] != width:
+    if t.dtype != torch.float32 or not t.is_cpu or t.dim() != 2 or t.shape[1] != width:
         raise ValueError(
             f"the panel GEMM takes {name} as fp32 CPU rows of {width}, got {t.dtype} {tuple(t.shape)}"
         )

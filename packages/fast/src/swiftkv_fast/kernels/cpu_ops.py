@@ -181,7 +181,7 @@ def _kernels() -> dict | None:
 
 def _rows(t: torch.Tensor) -> bool:
     """A CPU fp32 (T, n) tensor whose rows are dense (any row stride)."""
-    return t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 2 and t.stride(1) == 1
+    return t.is_cpu and t.dtype == torch.float32 and t.dim() == 2 and t.stride(1) == 1
 
 
 def add_rms_norm(
@@ -191,7 +191,7 @@ def add_rms_norm(
     kernel does not apply (not fp32 CPU rows) or is unavailable, with h untouched."""
     if not (_rows(h) and (delta is None or (_rows(delta) and delta.shape == h.shape))):
         return None
-    if weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous():
+    if weight.dtype != torch.float32 or not weight.is_cpu or not weight.is_contiguous():
         return None
     kernels = _kernels()
     if kernels is None:
@@ -246,7 +246,7 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
     """Rotates x (T, heads, D) in place, heads dense within a token (any token stride), with the rows
     `positions` (T,) of the tables cos, sin (max_pos, D / 2). False (x untouched) when it does not apply;
     ValueError for a position outside the tables."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 3 or x.shape[2] % 2:
+    if not x.is_cpu or x.dtype != torch.float32 or x.dim() != 3 or x.shape[2] % 2:
         return False
     if x.stride(2) != 1 or x.stride(1) != x.shape[2] or positions.dtype != torch.int64:
         return False
@@ -288,7 +288,7 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     written) when it does not apply; ValueError for a slot outside the cache."""
     n_layers, _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
     row = kv_heads * head_dim
-    if kv_cache.device.type != "cpu" or not kv_cache.dtype == k.dtype == v.dtype == torch.float32:
+    if not kv_cache.is_cpu or not kv_cache.dtype == k.dtype == v.dtype == torch.float32:
         return False
     if kv_cache.stride()[2:] != (block_size * row, row, head_dim, 1) or not (
         _dense_rows(k) and _dense_rows(v)

@@ -67,7 +67,7 @@ def add_rms_norm(
 ) -> torch.Tensor:
     """A residual add, then the next norm: h += delta in place (no add when delta is None), returns
     RMSNorm(h) * weight as a new tensor. h, delta: (T, hidden)."""
-    if h.device.type == "cpu" and (out := cpu_ops.add_rms_norm(h, delta, weight, eps)) is not None:
+    if h.is_cpu and (out := cpu_ops.add_rms_norm(h, delta, weight, eps)) is not None:
         return out
     x = h if delta is None else h.add_(delta)
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
@@ -79,7 +79,7 @@ def add_rms_norm(
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     # gate_up: (T, 2 * intermediate) -> (T, intermediate)
-    if gate_up.device.type == "cpu" and (out := cpu_ops.silu_and_mul(gate_up)) is not None:
+    if gate_up.is_cpu and (out := cpu_ops.silu_and_mul(gate_up)) is not None:
         return out
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate, inplace=True).mul_(up)
@@ -115,7 +115,7 @@ class Rotation:
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def apply_(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and cpu_ops.rope_(x, self.positions, self.table.cos, self.table.sin):
+        if x.is_cpu and cpu_ops.rope_(x, self.positions, self.table.cos, self.table.sin):
             return x
         if self._cos_sin is None:
             self._cos_sin = self.table.lookup(self.positions)

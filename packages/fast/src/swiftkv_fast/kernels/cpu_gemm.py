@@ -31,7 +31,8 @@ reads with their FMAs. Measured with 16 rows and weights cycled from memory (400
 model's qkv, gate_up and down shapes, GFLOP/s:
 
     2-core AMD EPYC Zen 3 (AVX2)      MKL (F.linear) 29-45, oneDNN 44-55, this kernel 66-74
-                                      (6-row blocks, before the prefetch and the packing of x)
+                                      (6-row blocks, before the prefetch and the packing of x),
+                                      73-93 with them, the spread prefetch and 6 + 5 + 5 rows
     2-core AMD EPYC Zen 4 (AVX-512)   MKL 44-68, oneDNN 80-143, this kernel 74-94 with 6-row blocks,
                                       110-155 with the prefetch and 16-row blocks, 140-165 with x packed
 

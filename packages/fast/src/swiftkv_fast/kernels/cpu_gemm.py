@@ -206,7 +206,8 @@ int swiftkv_gemm(float *x, int64_t ldx, const float *packed, const float *bias, 
                 const int64_t kc = K - k0 < IN_BLOCK ? K - k0 : IN_BLOCK;
                 /* the next kc panel rows in memory (the rest of this panel, then the next one) are
                    prefetched while this slice runs, spread evenly over its g1 - g0 register blocks, so
-                   that memory stays busy while the later blocks reuse the slice from L1 */
+                   that memory stays busy while the later blocks reuse the slice from L1 (past the last
+                   panel this points beyond the buffer: a prefetch is a hint that never faults) */
                 const int64_t step = (64 + (g1 - g0) - 1) / (g1 - g0);
                 const char *ahead = (const char *)(panel + 16 * (k0 + kc));
                 for (int64_t g = g0; g < g1; g++) {
@@ -227,6 +228,7 @@ int swiftkv_gemm(float *x, int64_t ldx, const float *packed, const float *bias, 
     }
     free(xp);
     return 0;
+#undef GROUP_START
 }
 """
 )

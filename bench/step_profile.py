@@ -11,6 +11,8 @@ Categories, per step (summed over the step's calls):
     attention  the backend's `prefill` (the first half's attention: prompt and decode rows) and
                `decode` (the second half's) calls
     kv_write   the backend's `write_kv` calls
+    stack      the decode stacks' calls (model/decode_stack.py: on CPU, a half's layers over decode rows
+               as one C call; their linears, attention, KV writes and row ops, not split further)
     rest       the step's remaining time: norms, RoPE, residuals, sampling, building the batch
 A step is a decode step when every scheduled request has one token; `decode` summarizes those steps
 only, `all` every step. `runner_share` is the share of the run's wall time spent in steps (the rest:
@@ -29,7 +31,7 @@ import torch
 
 from bench import engine
 
-CATEGORIES = ("linear", "attention", "kv_write", "rest")
+CATEGORIES = ("linear", "attention", "kv_write", "stack", "rest")
 _UNSET = object()
 _ATTENTION_CALLS = {"prefill": "attention", "decode": "attention", "write_kv": "kv_write"}
 
@@ -127,6 +129,20 @@ class _TimedBackend:
         return timed
 
 
+class _TimedStack:
+    def __init__(self, stack, prof: StepProfile):
+        self.inner, self.prof = stack, prof
+
+    def run(self, *args) -> torch.Tensor:
+        start = self.prof.clock()
+        out = self.inner.run(*args)
+        self.prof.add("stack", self.prof.clock() - start)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
 @contextmanager
 def profiled(llm) -> Iterator[StepProfile]:
     """Times every engine step run inside the block (see the module docstring); restores the engine
@@ -147,6 +163,7 @@ def profiled(llm) -> Iterator[StepProfile]:
             if isinstance(value, Linear):
                 wrap(holder, name, _TimedLinear(value, prof))
     wrap(model, "backend", _TimedBackend(model.backend, prof))
+    wrap(model, "stacks", tuple(None if s is None else _TimedStack(s, prof) for s in model.stacks))
     execute = runner.execute
 
     def timed_execute(out):

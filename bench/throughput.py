@@ -211,7 +211,7 @@ def profile_run(llm, prompts: list[list[int]], output_len: int) -> dict[str, Any
 def _profile_table(name: str, rows: list[dict]) -> report.Table:
     t = report.Table(
         f"Step profile, mix {name}: share of a step's time (one profiled run per engine system)",
-        ["system", "steps", "ms/step", "linear", "attention", "kv write", "rest"],
+        ["system", "steps", "ms/step", "linear", "attention", "kv write", "stack", "rest"],
     )
     for r in rows:
         prof = r.get("step_profile")
@@ -226,7 +226,9 @@ def _profile_table(name: str, rows: list[dict]) -> report.Table:
             t.add(f"{r['system']} ({kind} steps)", p["steps"], p["step_ms"], *shares)
     t.notes.append(
         "linear: every Linear (GEMMs); attention: the backend's prefill + decode calls (first and second "
-        "half); kv write: write_kv; rest: norms, RoPE, residuals, sampling, batch building."
+        "half); kv write: write_kv; stack: a half's layers over decode rows as one C call (all of the "
+        "above for those layers, model/decode_stack.py); rest: norms, RoPE, residuals, sampling, batch "
+        "building."
     )
     return t
 

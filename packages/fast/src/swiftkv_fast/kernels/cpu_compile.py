@@ -40,6 +40,8 @@ FLAGS = [
 # e^x in fp32 for the kernels' sources (Cephes expf: 2^n * p(r), n = round(x / ln 2), |r| <= ln(2) / 2;
 # about 1 ulp), branch-free so that the compiler vectorizes loops over it; x is clamped to [-87, 88]
 EXPF = r"""
+#ifndef SWIFTKV_EXPF
+#define SWIFTKV_EXPF
 #include <stdint.h>
 #include <string.h>
 static inline float swiftkv_expf(float x) {
@@ -58,12 +60,16 @@ static inline float swiftkv_expf(float x) {
     memcpy(&scale, &bits, 4);
     return p * scale;
 }
+#endif
 """
 
-# The model's row ops, shared by kernels/cpu_ops.py (as ops of their own) and kernels/cpu_gemm.py (fused
-# into the packing of a GEMM's input), so both compute them alike: RMSNorm with the residual add in
-# front, and SiLU-and-mul. Needs EXPF before it.
+# The model's row ops, shared by kernels/cpu_ops.py (as ops of their own), kernels/cpu_gemm.py (fused
+# into the packing of a GEMM's input) and kernels/cpu_decode_stack.py, so all compute them alike:
+# RMSNorm with the residual add in front, SiLU-and-mul, RoPE. Needs EXPF before it. EXPF and ROW_OPS
+# are guarded, so that a source made of several kernels' sources defines them once.
 ROW_OPS = r"""
+#ifndef SWIFTKV_ROW_OPS
+#define SWIFTKV_ROW_OPS
 #include <math.h>
 /* h += d in place (d NULL: no add) over H values; returns RMSNorm's scale 1 / sqrt(mean(h^2) + eps):
    the normed row is then (h[i] * scale) * w[i] */
@@ -82,6 +88,21 @@ static inline float swiftkv_add_rms_scale(float *h, const float *d, int64_t H, f
 }
 
 static inline float swiftkv_silu_mul(float gate, float up) { return gate / (1.f + swiftkv_expf(-gate)) * up; }
+
+/* Rotate-half RoPE in place on one token's `heads` heads of D values (x): with its position's table
+   rows c, s (D / 2 each), a = x[:D/2], b = x[D/2:] become a c - b s, b c + a s */
+static inline void swiftkv_rope_row(float *x, int64_t heads, int64_t D, const float *c, const float *s) {
+    const int64_t half = D / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        float *a = x + h * D, *b = a + half;
+        for (int64_t i = 0; i < half; i++) {
+            const float x1 = a[i], x2 = b[i];
+            a[i] = x1 * c[i] - x2 * s[i];
+            b[i] = x2 * c[i] + x1 * s[i];
+        }
+    }
+}
+#endif
 """
 
 _lock = threading.Lock()

@@ -120,25 +120,25 @@ static void attend(const float *q, const float *k, const float *v, int64_t block
     }
 }
 
-/* q: (R, kv_heads * GROUP, HEAD_DIM), rows q_stride apart; k, v: (num_blocks, bs, kv_heads,
+/* Inside a parallel region (a worksharing loop over the items, so every thread of the region must
+   call it): q: (R, kv_heads * GROUP, HEAD_DIM), rows q_stride apart; k, v: (num_blocks, bs, kv_heads,
    HEAD_DIM), blocks block_stride apart; block_tables: (R, >= max_blocks), rows bt_stride apart, int32;
-   seq_lens: (R,) int32; out: (R, kv_heads * GROUP, HEAD_DIM) contiguous. window <= 0: none.
-   Returns 0; 1 when out of memory; 2 when a seq_len needs more than max_blocks blocks; 3 when a
+   seq_lens: (R,) int32; out: (R, kv_heads * GROUP, HEAD_DIM) contiguous. window <= 0: none. *failed
+   (shared) becomes 1 when out of memory; 2 when a seq_len needs more than max_blocks blocks; 3 when a
    block id it reads is outside [0, num_blocks) (nothing is read then, that row's output is left). */
-int swiftkv_decode_attention(const float *q, int64_t q_stride, const float *k, const float *v,
-                             int64_t block_stride, int64_t num_blocks, const int32_t *block_tables,
-                             int64_t bt_stride, int64_t max_blocks, const int32_t *seq_lens, float *out,
-                             int64_t num_reqs, int64_t kv_heads, int64_t bs, int64_t window, float scale,
-                             int num_threads) {
+static void decode_attention_items(const float *q, int64_t q_stride, const float *k, const float *v,
+                                   int64_t block_stride, int64_t num_blocks, const int32_t *block_tables,
+                                   int64_t bt_stride, int64_t max_blocks, const int32_t *seq_lens,
+                                   float *out, int64_t num_reqs, int64_t kv_heads, int64_t bs,
+                                   int64_t window, float scale, int num_threads, int *failed) {
     const int64_t row = kv_heads * HEAD_DIM, heads = kv_heads * GROUP;
-    int failed = 0;
     /* items: (request, run of KV heads); all heads of a request in one item when there are requests
        enough for the threads, so that each block's rows are read as one run */
     int64_t runs = num_reqs >= num_threads ? 1 : (num_threads + num_reqs - 1) / num_reqs;
     runs = runs < kv_heads ? runs : kv_heads;
     const int64_t per = (kv_heads + runs - 1) / runs;  /* KV heads per item */
     runs = (kv_heads + per - 1) / per;
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_reqs * runs; item++) {
         const int64_t r = item / runs, h0 = (item % runs) * per;
         const int64_t h1 = h0 + per < kv_heads ? h0 + per : kv_heads;
@@ -146,26 +146,38 @@ int swiftkv_decode_attention(const float *q, int64_t q_stride, const float *k, c
         const int32_t *bt = block_tables + r * bt_stride;
         if (n > max_blocks * bs) {
             #pragma omp atomic write
-            failed = 2;
+            *failed = 2;
             continue;
         }
         int bad = 0;
         for (int64_t b = start / bs; b * bs < n; b++) bad |= bt[b] < 0 || bt[b] >= num_blocks;
         if (bad) {
             #pragma omp atomic write
-            failed = 3;
+            *failed = 3;
             continue;
         }
         float *s = malloc(sizeof(float) * (h1 - h0) * GROUP * (n - start > 0 ? n - start : 1));
         if (s == NULL) {
             #pragma omp atomic write
-            failed = 1;
+            *failed = 1;
             continue;
         }
         attend(q + r * q_stride + h0 * GROUP * HEAD_DIM, k + h0 * HEAD_DIM, v + h0 * HEAD_DIM, block_stride,
                bt, bs, row, h0, h1, start, n, scale, s, out + (r * heads + h0 * GROUP) * HEAD_DIM);
         free(s);
     }
+}
+
+/* decode_attention_items on num_threads threads; returns its failure code (0: none). */
+int swiftkv_decode_attention(const float *q, int64_t q_stride, const float *k, const float *v,
+                             int64_t block_stride, int64_t num_blocks, const int32_t *block_tables,
+                             int64_t bt_stride, int64_t max_blocks, const int32_t *seq_lens, float *out,
+                             int64_t num_reqs, int64_t kv_heads, int64_t bs, int64_t window, float scale,
+                             int num_threads) {
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads)
+    decode_attention_items(q, q_stride, k, v, block_stride, num_blocks, block_tables, bt_stride, max_blocks,
+                           seq_lens, out, num_reqs, kv_heads, bs, window, scale, num_threads, &failed);
     return failed;
 }
 """
@@ -174,16 +186,19 @@ def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") != "0"
 
 
+def supports_shape(head_dim: int, group: int) -> bool:
+    """The kernel is built for this head shape: head_dim a multiple of 8 (at most 256), group <= MAX_GROUP."""
+    return head_dim % 8 == 0 and head_dim <= 256 and 1 <= group <= MAX_GROUP
+
+
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """The kernel applies: fp32 CPU tensors, head_dim a multiple of 8 (at most 256), group <= MAX_GROUP."""
+    """The kernel applies: fp32 CPU tensors of a supported head shape."""
     head_dim, kv_heads = k_cache.shape[-1], k_cache.shape[-2]
     return (
         q.is_cpu
         and q.dtype == k_cache.dtype == torch.float32
-        and head_dim % 8 == 0
-        and head_dim <= 256
         and q.shape[1] % kv_heads == 0
-        and q.shape[1] // kv_heads <= MAX_GROUP
+        and supports_shape(head_dim, q.shape[1] // kv_heads)
     )
 
 

@@ -155,80 +155,113 @@ int swiftkv_gemm_pack(const float *w, int64_t ldw, int64_t N, int64_t K, float *
                                 RMSNorm(h) * norm_w, as swiftkv_add_rms_norm computes it */
 #define PROLOGUE_SILU_MUL 2  /* x (M, 2 K) = [gate | up]: silu(gate) * up, as swiftkv_silu_and_mul */
 
+/* How a call's M rows are cut into register blocks ("groups"): of equal sizes where that costs each
+   at most one row (16 rows on AVX2: 6 + 5 + 5, not 6 + 6 + 4, whose 4-row block takes nearly as long
+   as a 6-row one); else MR rows each and the rest in the last (8 rows: 6 + 2, faster there than
+   4 + 4). */
+struct gemm_rows {
+    int64_t M, groups, base, extra;
+};
+
+static inline struct gemm_rows gemm_rows(int64_t M) {
+    const int64_t groups = (M + MR - 1) / MR;
+    struct gemm_rows r = {M, groups, groups ? M / groups : 0, groups ? M % groups : 0};
+    if (r.base < MR - 1) r.base = MR, r.extra = 0;
+    return r;
+}
+
+/* floats of the packed copy of x for M rows of K inputs: (groups, K, MR) */
+static inline int64_t gemm_xp_floats(int64_t M, int64_t K) { return (M + MR - 1) / MR * K * MR; }
+
+#define GROUP_START(g) group_start(g, rows.base, rows.extra, rows.M)
+
+/* Inside a parallel region (a worksharing loop over the groups, so every thread of the region must
+   call it): x packed by group into xp, (groups, K, MR), zero past a group's rows, so that every
+   broadcast of a register block comes from one sequential stream; the prologue applied to each row
+   on the way. */
+static void gemm_pack_x(float *x, int64_t ldx, int64_t K, struct gemm_rows rows, int prologue,
+                        const float *d, int64_t ldd, const float *norm_w, float eps, float *xp) {
+    const int64_t M = rows.M;
+    #pragma omp for schedule(static)
+    for (int64_t g = 0; g < rows.groups; g++)
+        for (int r = 0; r < MR; r++) {
+            const int64_t m = GROUP_START(g) + r;
+            float *dst = xp + g * K * MR + r;
+            float *xr = x + (m < M ? m : 0) * ldx;
+            if (m >= GROUP_START(g + 1)) {
+                for (int64_t k = 0; k < K; k++) dst[MR * k] = 0.f;
+            } else if (prologue == PROLOGUE_RMS_NORM) {
+                const float s = swiftkv_add_rms_scale(xr, d != NULL ? d + m * ldd : NULL, K, eps);
+                for (int64_t k = 0; k < K; k++) dst[MR * k] = (xr[k] * s) * norm_w[k];
+            } else if (prologue == PROLOGUE_SILU_MUL) {
+                for (int64_t k = 0; k < K; k++) dst[MR * k] = swiftkv_silu_mul(xr[k], xr[K + k]);
+            } else {
+                for (int64_t k = 0; k < K; k++) dst[MR * k] = xr[k];
+            }
+        }
+}
+
+static inline int64_t gemm_items(struct gemm_rows rows, int64_t N) {
+    return (rows.groups + GROUPS_PER_ITEM - 1) / GROUPS_PER_ITEM * ((N + 15) / 16);
+}
+
+/* Inside a parallel region, after gemm_pack_x (a worksharing loop over the items): y (M, N)
+   contiguous = xp times the packed W^T, plus bias (N,) unless NULL. */
+static void gemm_run(const float *xp, const float *packed, const float *bias, float *y, int64_t N,
+                     int64_t K, struct gemm_rows rows) {
+    const int64_t panels = (N + 15) / 16, groups = rows.groups;
+    #pragma omp for schedule(static)
+    for (int64_t item = 0; item < gemm_items(rows, N); item++) {
+        const int64_t g0 = (item / panels) * GROUPS_PER_ITEM, p = item % panels;
+        const int64_t g1 = g0 + GROUPS_PER_ITEM < groups ? g0 + GROUPS_PER_ITEM : groups;
+        const int64_t m0 = GROUP_START(g0), m1 = GROUP_START(g1), n0 = 16 * p;
+        const float *panel = packed + p * K * 16;
+        const int full = n0 + 16 <= N;
+        float tmp[GROUPS_PER_ITEM * MR * 16];  /* a panel past N: its outputs before the copy */
+        float *out = full ? y + m0 * N + n0 : tmp;
+        const int64_t ldo = full ? N : 16;
+        for (int64_t k0 = 0; k0 < K; k0 += IN_BLOCK) {
+            const int64_t kc = K - k0 < IN_BLOCK ? K - k0 : IN_BLOCK;
+            /* the next kc panel rows in memory (the rest of this panel, then the next one) are
+               prefetched while this slice runs, spread evenly over its g1 - g0 register blocks, so
+               that memory stays busy while the later blocks reuse the slice from L1 (past the last
+               panel this points beyond the buffer: a prefetch is a hint that never faults) */
+            const int64_t step = (64 + (g1 - g0) - 1) / (g1 - g0);
+            const char *ahead = (const char *)(panel + 16 * (k0 + kc));
+            for (int64_t g = g0; g < g1; g++) {
+                const int64_t m = GROUP_START(g);
+                micro[GROUP_START(g + 1) - m - 1](xp + g * K * MR + k0 * MR, panel + 16 * k0, kc,
+                                                  out + (m - m0) * ldo, ldo, k0 > 0,
+                                                  ahead + (g - g0) * step * kc, step);
+            }
+        }
+        const int64_t width = full ? 16 : N - n0;
+        for (int64_t m = m0; m < m1; m++) {
+            float *dst = y + m * N + n0;
+            if (!full) memcpy(dst, tmp + (m - m0) * 16, sizeof(float) * width);
+            if (bias != NULL)
+                for (int64_t c = 0; c < width; c++) dst[c] += bias[n0 + c];
+        }
+    }
+}
+#undef GROUP_START
+
 /* y (M, N) contiguous = f(x) times the packed W^T, plus bias (N,) unless NULL; x's rows ldx apart,
    f the prologue (d's rows ldd apart). Returns 0, or 1 when the packed copy of x cannot be allocated
    (nothing written then: the prologue's in-place add runs after the allocation). */
 int swiftkv_gemm(float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t M,
                  int64_t N, int64_t K, int num_threads, int prologue, const float *d, int64_t ldd,
                  const float *norm_w, float eps) {
-    /* register blocks ("groups") of equal sizes where that costs each at most one row (16 rows on
-       AVX2: 6 + 5 + 5, not 6 + 6 + 4, whose 4-row block takes nearly as long as a 6-row one); else
-       MR rows each and the rest in the last (8 rows: 6 + 2, faster there than 4 + 4) */
-    const int64_t groups = (M + MR - 1) / MR;
-    int64_t base = groups ? M / groups : 0, extra = groups ? M % groups : 0;
-    if (base < MR - 1) base = MR, extra = 0;
-#define GROUP_START(g) group_start(g, base, extra, M)
-    const int64_t panels = (N + 15) / 16, group_blocks = (groups + GROUPS_PER_ITEM - 1) / GROUPS_PER_ITEM;
-    /* x packed by group, (groups, K, MR), zero past a group's rows: every broadcast of a register block
-       comes from one sequential stream */
-    float *xp = malloc(sizeof(float) * groups * K * MR);
+    const struct gemm_rows rows = gemm_rows(M);
+    float *xp = malloc(sizeof(float) * gemm_xp_floats(M, K));
     if (xp == NULL) return 1;
-    #pragma omp parallel num_threads(num_threads) if (group_blocks * panels > 1)
+    #pragma omp parallel num_threads(num_threads) if (gemm_items(rows, N) > 1)
     {
-        #pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++)
-            for (int r = 0; r < MR; r++) {
-                const int64_t m = GROUP_START(g) + r;
-                float *dst = xp + g * K * MR + r;
-                float *xr = x + (m < M ? m : 0) * ldx;
-                if (m >= GROUP_START(g + 1)) {
-                    for (int64_t k = 0; k < K; k++) dst[MR * k] = 0.f;
-                } else if (prologue == PROLOGUE_RMS_NORM) {
-                    const float s = swiftkv_add_rms_scale(xr, d != NULL ? d + m * ldd : NULL, K, eps);
-                    for (int64_t k = 0; k < K; k++) dst[MR * k] = (xr[k] * s) * norm_w[k];
-                } else if (prologue == PROLOGUE_SILU_MUL) {
-                    for (int64_t k = 0; k < K; k++) dst[MR * k] = swiftkv_silu_mul(xr[k], xr[K + k]);
-                } else {
-                    for (int64_t k = 0; k < K; k++) dst[MR * k] = xr[k];
-                }
-            }
-        #pragma omp for schedule(static)
-        for (int64_t item = 0; item < group_blocks * panels; item++) {
-            const int64_t g0 = (item / panels) * GROUPS_PER_ITEM, p = item % panels;
-            const int64_t g1 = g0 + GROUPS_PER_ITEM < groups ? g0 + GROUPS_PER_ITEM : groups;
-            const int64_t m0 = GROUP_START(g0), m1 = GROUP_START(g1), n0 = 16 * p;
-            const float *panel = packed + p * K * 16;
-            const int full = n0 + 16 <= N;
-            float tmp[GROUPS_PER_ITEM * MR * 16];  /* a panel past N: its outputs before the copy */
-            float *out = full ? y + m0 * N + n0 : tmp;
-            const int64_t ldo = full ? N : 16;
-            for (int64_t k0 = 0; k0 < K; k0 += IN_BLOCK) {
-                const int64_t kc = K - k0 < IN_BLOCK ? K - k0 : IN_BLOCK;
-                /* the next kc panel rows in memory (the rest of this panel, then the next one) are
-                   prefetched while this slice runs, spread evenly over its g1 - g0 register blocks, so
-                   that memory stays busy while the later blocks reuse the slice from L1 (past the last
-                   panel this points beyond the buffer: a prefetch is a hint that never faults) */
-                const int64_t step = (64 + (g1 - g0) - 1) / (g1 - g0);
-                const char *ahead = (const char *)(panel + 16 * (k0 + kc));
-                for (int64_t g = g0; g < g1; g++) {
-                    const int64_t m = GROUP_START(g);
-                    micro[GROUP_START(g + 1) - m - 1](xp + g * K * MR + k0 * MR, panel + 16 * k0, kc,
-                                                      out + (m - m0) * ldo, ldo, k0 > 0,
-                                                      ahead + (g - g0) * step * kc, step);
-                }
-            }
-            const int64_t width = full ? 16 : N - n0;
-            for (int64_t m = m0; m < m1; m++) {
-                float *dst = y + m * N + n0;
-                if (!full) memcpy(dst, tmp + (m - m0) * 16, sizeof(float) * width);
-                if (bias != NULL)
-                    for (int64_t c = 0; c < width; c++) dst[c] += bias[n0 + c];
-            }
-        }
+        gemm_pack_x(x, ldx, K, rows, prologue, d, ldd, norm_w, eps, xp);
+        gemm_run(xp, packed, bias, y, N, K, rows);
     }
     free(xp);
     return 0;
-#undef GROUP_START
 }
 """
 )

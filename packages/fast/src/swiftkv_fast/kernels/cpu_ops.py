@@ -111,17 +111,8 @@ int swiftkv_rope(float *x, int64_t x_stride, int64_t T, int64_t heads, int64_t D
         if (positions[t] < 0 || positions[t] >= max_pos) return 1;
     const int64_t half = D / 2;
     #pragma omp parallel for num_threads(num_threads) if (T * heads * D >= PARALLEL_MIN)
-    for (int64_t t = 0; t < T; t++) {
-        const float *c = cos_table + positions[t] * half, *s = sin_table + positions[t] * half;
-        for (int64_t h = 0; h < heads; h++) {
-            float *a = x + t * x_stride + h * D, *b = a + half;
-            for (int64_t i = 0; i < half; i++) {
-                const float x1 = a[i], x2 = b[i];
-                a[i] = x1 * c[i] - x2 * s[i];
-                b[i] = x2 * c[i] + x1 * s[i];
-            }
-        }
-    }
+    for (int64_t t = 0; t < T; t++)
+        swiftkv_rope_row(x + t * x_stride, heads, D, cos_table + positions[t] * half, sin_table + positions[t] * half);
     return 0;
 }
 

@@ -42,6 +42,10 @@ class Linear:
         run, layout = self._runs[bisect_left(self._bounds, x.shape[0])]
         return run(x, layout, self.bias)
 
+    def panel_at(self, rows: int) -> PanelWeight | None:
+        """The panel GEMM's layout where it runs calls of `rows` rows, else None."""
+        return self._panels[bisect_left(self._bounds, rows)]
+
     def after_norm(
         self, h: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
     ) -> torch.Tensor:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from swiftkv_fast.attention.base import AttentionBackend
 from swiftkv_fast.distributed.parallel_state import SINGLE, TensorParallelGroup
+from swiftkv_fast.model.decode_stack import DecodeStack
 from swiftkv_fast.model.kv_cache_layout import KVCacheLayout
 from swiftkv_fast.model.layers import Linear, RotaryTable
 from swiftkv_fast.model.model_input import ModelInput
@@ -84,12 +85,44 @@ class SwiftKVModel:
         # runs [a, b) of second-half cache layers in one group whose slots are consecutive too:
         # one write_kv each, on the plain slice kv_cache[kv_slot[a] : kv_slot[a] + b - a]
         self.swiftkv_write_runs = layout.slot_runs(self.L)
+        # on CPU, each half's layers over decode rows as one C call where it applies (model/decode_stack.py)
+        self.stacks: tuple[DecodeStack | None, DecodeStack | None] = (None, None)
+        if weights.embed.is_cpu and tp.size == 1 and getattr(backend, "compiled_decode", False):
+            shape = dict(
+                kv_slot=self.kv_slot,
+                num_heads=num_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                eps=eps,
+                scale=self.scale,
+                rotary=rotary,
+            )
+            self.stacks = (
+                DecodeStack(weights.layers[: self.L], writes_kv=True, **shape),
+                DecodeStack(weights.layers[self.L :], writes_kv=False, **shape),
+            )
 
     def _layer_tail(self, h: torch.Tensor, attn: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
         """o_proj and the MLP of a layer after its attention output attn (T, heads * head_dim): o_proj's
         residual is added to h (in place); the MLP's output is returned, for the next add_rms_norm."""
         gate_up = lw.gate_up.after_norm(h, self.tp.all_reduce(lw.o(attn)), lw.post_norm, self.eps)
         return self.tp.all_reduce(lw.down.after_silu_and_mul(gate_up))
+
+    def _first_half_layer(
+        self, h: torch.Tensor, mlp_out: torch.Tensor | None, lw: LayerWeights, grp, rope, kv_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """One layer < L over every scheduled token, one op at a time: h += mlp_out (the previous layer's
+        MLP output) in place; returns this layer's MLP output."""
+        nh, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = lw.qkv.after_norm(h, mlp_out, lw.input_norm, self.eps)  # (T, (nh + 2 kvh) hd)
+        # RoPE on q and k in one pass, in place: (T, nh + kvh, hd)
+        qk = rope.apply_(qkv[:, : (nh + kvh) * hd].view(-1, nh + kvh, hd))
+        q, k = qk[:, :nh], qk[:, nh:]
+        v = qkv[:, (nh + kvh) * hd :]
+        p = self.kv_slot[lw.cache_layer]
+        self.backend.write_kv(kv_cache[p : p + 1], k[:, None], v.view(-1, 1, kvh, hd), grp.slot_mapping)
+        o = self.backend.prefill(q, kv_cache[p, 0], kv_cache[p, 1], grp.meta, lw.window, self.scale)
+        return self._layer_tail(h, o.flatten(1), lw)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         # (T,) -> (T, hidden); a rank looks up the ids of its vocab rows, zeros elsewhere, then the sum
@@ -110,17 +143,20 @@ class SwiftKVModel:
         h = self._embed(inp.input_ids)  # (T, hidden)
         rope = self.rotary.at(inp.positions)
         mlp_out = None  # the previous layer's MLP output: the next norm adds it to h
-        for lw in self.w.layers[: self.L]:
-            grp = inp.groups[lw.group]
-            qkv = lw.qkv.after_norm(h, mlp_out, lw.input_norm, self.eps)  # (T, (nh + 2 kvh) hd)
-            # RoPE on q and k in one pass, in place: (T, nh + kvh, hd)
-            qk = rope.apply_(qkv[:, : (nh + kvh) * hd].view(-1, nh + kvh, hd))
-            q, k = qk[:, :nh], qk[:, nh:]
-            v = qkv[:, (nh + kvh) * hd :]
-            p = self.kv_slot[lw.cache_layer]
-            self.backend.write_kv(kv_cache[p : p + 1], k[:, None], v.view(-1, 1, kvh, hd), grp.slot_mapping)
-            o = self.backend.prefill(q, kv_cache[p, 0], kv_cache[p, 1], grp.meta, lw.window, self.scale)
-            mlp_out = self._layer_tail(h, o.flatten(1), lw)
+        stack = self.stacks[0]
+        decode_only = all(g.meta.max_query_len == 1 for g in inp.groups)
+        if stack is not None and decode_only and stack.applies(h, kv_cache):
+            stack.run(
+                h,
+                inp.positions,
+                [g.meta.seq_lens for g in inp.groups],
+                [g.meta.block_tables for g in inp.groups],
+                [g.slot_mapping for g in inp.groups],
+                kv_cache,
+            )
+        else:
+            for lw in self.w.layers[: self.L]:
+                mlp_out = self._first_half_layer(h, mlp_out, lw, inp.groups[lw.group], rope, kv_cache)
         if mlp_out is not None:
             h = h.add_(mlp_out)
         if self.w.kv_swiftkv is not None:
@@ -159,6 +195,10 @@ class SwiftKVModel:
         rope = self.rotary.at(positions)
         h = h.clone()  # the residual stream is updated in place; the caller's input stays as it was
         mlp_out = None
+        stack = self.stacks[1]
+        if stack is not None and stack.applies(h, kv_cache):
+            stack.run(h, positions, [seq_lens] * len(block_tables), block_tables, None, kv_cache)
+            return self.tp.all_gather(self.w.lm_head.after_norm(h, None, self.w.norm, self.eps).float())
         for lw in self.w.layers[self.L :]:
             q = rope.apply_(lw.qkv.after_norm(h, mlp_out, lw.input_norm, self.eps).view(-1, nh, hd))
             p = self.kv_slot[lw.cache_layer]

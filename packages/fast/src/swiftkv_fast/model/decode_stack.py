@@ -1,0 +1,175 @@
+"""A run of the model's layers over decode rows as one C call (kernels/cpu_decode_stack.py), where it
+applies; the model (model/swiftkv_model.py) runs its layers one op at a time everywhere else.
+
+It applies on CPU in fp32 without tensor parallelism, with the torch attention backend's compiled decode
+path, to a batch whose every row is one request's one token (the second half always; the first half in
+a step of decodes only), when the kernel chooser runs the panel GEMM at that row count for every
+linear of the run (`runs_at`, looked up once per row count). The result is the per-op path's, bit for
+bit: h with the last layer's MLP output added.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import torch
+
+from swiftkv_fast.kernels import cpu_decode
+from swiftkv_fast.kernels import cpu_decode_stack as kernel_module
+from swiftkv_fast.kernels.cpu_decode_stack import StackGroup, StackLayer, StackLinear, StackStep
+from swiftkv_fast.model.layers import Linear, RotaryTable
+
+
+class DecodeStack:
+    """Layers `layers` (model/swiftkv_model.py LayerWeights) with `writes_kv` (the first half's: q, k and
+    v from qkv, K/V written to the cache) or not (the second half's: q from q_proj_swiftkv)."""
+
+    def __init__(
+        self,
+        layers: Sequence,
+        *,
+        writes_kv: bool,
+        kv_slot: Sequence[int],
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        eps: float,
+        scale: float,
+        rotary: RotaryTable,
+    ):
+        self.layers = list(layers)
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.eps, self.scale, self.rotary = eps, scale, rotary
+        self.writes_kv = writes_kv
+        self.num_groups = 1 + max((lw.group for lw in self.layers), default=0)
+        group = num_heads // num_kv_heads
+        shape_ok = num_heads % num_kv_heads == 0 and cpu_decode.supports_shape(head_dim, group)
+        self._fn = kernel_module.kernel(head_dim, group) if self.layers and shape_ok else None
+        self._runs_at: dict[int, bool] = {}
+        self.calls = 0  # runs so far (tests, stats)
+        self._structs = None
+        if self._fn is not None and all(self._fp32(lw) for lw in self.layers):
+            self._keep = []  # the biases' fp32 copies the structs point at
+            self._structs = (StackLayer * len(self.layers))(
+                *(self._layer(lw, kv_slot[lw.cache_layer]) for lw in self.layers)
+            )
+
+    @staticmethod
+    def _fp32(lw) -> bool:
+        return all(
+            t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in (lw.input_norm, lw.post_norm)
+        )
+
+    def _linear(self, lin: Linear) -> StackLinear:
+        panel = lin.layouts.get("panel")
+        bias = None
+        if lin.bias is not None:
+            bias = lin.bias.to(torch.float32).contiguous()
+            self._keep.append(bias)
+        return StackLinear(
+            None if panel is None else panel.packed.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            lin.out_features,
+            lin.in_features,
+        )
+
+    def _layer(self, lw, slot: int) -> StackLayer:
+        return StackLayer(
+            lw.input_norm.data_ptr(),
+            lw.post_norm.data_ptr(),
+            self._linear(lw.qkv),
+            self._linear(lw.o),
+            self._linear(lw.gate_up),
+            self._linear(lw.down),
+            slot,
+            lw.window or 0,
+            lw.group,
+            int(self.writes_kv),
+        )
+
+    def runs_at(self, rows: int) -> bool:
+        """The stack serves `rows` decode rows: built, and the panel GEMM runs every linear at that count."""
+        if self._structs is None:
+            return False
+        runs = self._runs_at.get(rows)
+        if runs is None:
+            runs = all(
+                lin.panel_at(rows) is not None
+                for lw in self.layers
+                for lin in (lw.qkv, lw.o, lw.gate_up, lw.down)
+            )
+            self._runs_at[rows] = runs
+        return runs
+
+    def run(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        seq_lens: Sequence[torch.Tensor],
+        block_tables: Sequence[torch.Tensor],
+        slot_mappings: Sequence[torch.Tensor] | None,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """The layers over h (T, hidden) fp32 contiguous, in place: returns h with every layer's residuals
+        added. positions (T,) int64; per kvcache group: seq_lens (T,) int32, block_tables (T, max_blocks)
+        int32 and (with writes_kv) slot_mapping (T,) int64; kv_cache the engine's (num_kv_slots, 2,
+        num_blocks, block_size, kv_heads, head_dim)."""
+        keep = [positions.contiguous()]  # every tensor the C call reads stays alive until it returns
+        groups = (StackGroup * self.num_groups)()
+        for g in range(self.num_groups):
+            lens = seq_lens[g].to(torch.int32).contiguous()
+            table = block_tables[g].to(torch.int32)
+            if table.stride(1) != 1:
+                table = table.contiguous()
+            slots = None
+            if slot_mappings is not None:
+                slots = slot_mappings[g].to(torch.int64).contiguous()
+                keep.append(slots)
+            keep += [lens, table]
+            groups[g] = StackGroup(
+                lens.data_ptr(),
+                table.data_ptr(),
+                table.stride(0),
+                table.shape[1],
+                None if slots is None else slots.data_ptr(),
+            )
+        _, _, num_blocks, block_size = kv_cache.shape[:4]
+        step = StackStep(
+            h.data_ptr(),
+            h.shape[0],
+            h.shape[1],
+            keep[0].data_ptr(),
+            self.rotary.cos.data_ptr(),
+            self.rotary.sin.data_ptr(),
+            self.rotary.cos.shape[0],
+            self.num_heads,
+            self.num_kv_heads,
+            kv_cache.data_ptr(),
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            kv_cache.stride(2),
+            num_blocks,
+            block_size,
+            self.eps,
+            self.scale,
+        )
+        status = self._fn(
+            ctypes.byref(step), self._structs, len(self.layers), groups, torch.get_num_threads()
+        )
+        if status:
+            error, message = kernel_module.ERRORS.get(status, (RuntimeError, f"status {status}"))
+            raise error(f"decode stack: {message}")
+        self.calls += 1
+        return h
+
+    def applies(self, h: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """The tensors are what the C call reads: fp32 CPU h (T, hidden) contiguous, a cache with dense
+        rows, and the panel GEMM at T rows for every linear."""
+        if not (h.is_cpu and h.dtype == torch.float32 and h.is_contiguous() and kv_cache.dtype == torch.float32):
+            return False
+        if not kv_cache.is_cpu or not self.runs_at(h.shape[0]):
+            return False
+        block_size = kv_cache.shape[3]
+        row = self.num_kv_heads * self.head_dim
+        return kv_cache.stride()[3:] == (row, self.head_dim, 1) and kv_cache.stride(2) == block_size * row

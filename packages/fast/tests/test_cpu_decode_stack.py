@@ -1,0 +1,107 @@
+"""The decode stack (kernels/cpu_decode_stack.py, model/decode_stack.py): a half's layers over decode rows
+as one C call give the per-op path's logits and KV cache bit for bit, on every tiny model kind and at 1-3
+threads; it runs only where it applies; bad input raises before anything is written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY_MODELS, random_prompts
+from swiftkv_fast import LLM, SamplingParams
+from swiftkv_fast.kernels import cpu_compile, cpu_decode_stack
+
+pytestmark = pytest.mark.skipif(
+    cpu_compile.compiler() is None or cpu_decode_stack.kernel(16, 2) is None,
+    reason="no C compiler here (the decode stack is a compiled kernel)",
+)
+
+ENGINE = dict(
+    block_size=4,
+    max_model_len=160,
+    num_kv_blocks=300,
+    max_num_seqs=6,
+    max_num_batched_tokens=64,
+    return_logits=True,
+    linear_kernel="panel",  # every linear through the panel GEMM: the stack's precondition
+)
+GREEDY = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+
+
+def _engine(tiny, name, stacks: bool, **overrides):
+    cfg, state, _ = tiny(**TINY_MODELS[name])
+    llm = LLM.from_state_dict(cfg, state, **{**ENGINE, **overrides})
+    model = llm.llm_engine.runner.model
+    if not stacks:
+        model.stacks = (None, None)
+    return cfg, llm, model
+
+
+@pytest.mark.parametrize("name", ["full", "swiftkv_g1", "swiftkv_g2", "mistral_swiftkv_g2", "hybrid_swiftkv"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_stack_equals_per_op_layers(tiny, name, threads):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cfg, per_op, _ = _engine(tiny, name, stacks=False)
+        _, fused, model = _engine(tiny, name, stacks=True)
+        assert all(s is not None for s in model.stacks)
+        # lengths past the sliding windows (16-24) and blocks of 4: windowed reads skip whole blocks
+        prompts = random_prompts(5, cfg.vocab_size, [3, 40, 9, 70, 25], seed=2)
+        expected = per_op.generate(prompts, GREEDY, use_tqdm=False)
+        actual = fused.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        torch.set_num_threads(previous)
+    for e, a in zip(expected, actual):
+        assert a.outputs[0].token_ids == e.outputs[0].token_ids
+        assert torch.equal(a.outputs[0].logits, e.outputs[0].logits)
+    first, second = model.stacks
+    L = model.L
+    # decode steps ran both halves through the stack (the first half of a prompt step did not)
+    assert first.calls > 0
+    assert second.calls > 0 if L < cfg.num_hidden_layers else second.calls == 0
+    kv_per_op = per_op.llm_engine.runner.kv_cache
+    kv_fused = fused.llm_engine.runner.kv_cache
+    assert torch.equal(kv_per_op, kv_fused)
+
+
+def test_stack_stays_off_where_a_linear_is_not_the_panel_gemm(tiny):
+    _, llm, model = _engine(tiny, "swiftkv_g1", stacks=True, linear_kernel="linear")
+    cfg = llm.llm_engine.runner.config
+    llm.generate(random_prompts(2, cfg.vocab_size, [5, 9], seed=1), GREEDY, use_tqdm=False)
+    assert all(not s.runs_at(2) and s.calls == 0 for s in model.stacks)
+
+
+def test_bad_input_raises_before_anything_is_written(tiny):
+    cfg, llm, model = _engine(tiny, "swiftkv_g1", stacks=True)
+    runner = llm.llm_engine.runner
+    llm.generate(random_prompts(2, cfg.vocab_size, [20, 30], seed=4), GREEDY, use_tqdm=False)
+    stack = model.stacks[1]
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, cfg.hidden_size, generator=g)
+    seq_lens = torch.tensor([20, 30], dtype=torch.int32)
+    tables = torch.randint(1, 300, (2, 10), generator=g, dtype=torch.int32)
+    positions = seq_lens.long() - 1
+    cache_before = runner.kv_cache.clone()
+    cases = {
+        "RoPE table": dict(positions=torch.tensor([5, 10**6])),
+        "block table": dict(seq_lens=torch.tensor([20, 41], dtype=torch.int32)),  # 11 blocks of 4 > 10
+        "outside the cache": dict(tables=tables.clone().index_fill_(1, torch.tensor([3]), 300)),
+    }
+    for what, bad in cases.items():
+        x = h.clone()
+        with pytest.raises(ValueError, match=what):
+            stack.run(
+                x,
+                bad.get("positions", positions),
+                [bad.get("seq_lens", seq_lens)],
+                [bad.get("tables", tables)],
+                None,
+                runner.kv_cache,
+            )
+        assert torch.equal(x, h), what
+    # a slot outside the cache, in the first half (the one that writes K/V)
+    x = h.clone()
+    slots = torch.tensor([7, 4 * 300])
+    with pytest.raises(ValueError, match="slot is outside"):
+        model.stacks[0].run(x, positions, [seq_lens], [tables], [slots], runner.kv_cache)
+    assert torch.equal(x, h) and torch.equal(runner.kv_cache, cache_before)

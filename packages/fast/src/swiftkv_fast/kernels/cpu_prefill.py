@@ -9,9 +9,13 @@ copy, no padding between requests and no mask tensor.
 Work items are (request, KV head, tile of QUERY_TILE positions) on torch's own OpenMP thread pool, the
 tiles with the most keys first. An item holds the GROUP query heads of its KV head for its positions
 as one (GROUP * rows, D) block and walks only the keys its rows can see, in chunks of KEY_CHUNK, flash-
-style (running max and sum per row, the output rescaled as the max grows). Per chunk:
-- K is transposed into a (D, keys) panel, so that the scores are a small GEMM: an RB x 16 register
-  block of accumulators, one broadcast query value times two 8-wide key vectors per FMA pair;
+style (running max and sum per row, the output rescaled as the max grows). First, in the same parallel
+region, every request's visible keys are transposed once per KV head into a (D, keys) panel, so that
+the scores are a small GEMM (and no tile transposes its keys again: a 640-token prompt's 20 tiles
+shared one transpose; 16 prompts of 480-780 tokens, interleaved on a 2-core AMD EPYC Zen 3: 120 ->
+105 ms per layer). Per chunk:
+- the scores: an RB x 16 register block of accumulators, one broadcast query value times two 8-wide
+  key vectors (of the panel) per FMA pair;
 - the softmax runs over each row's visible keys only (the causal diagonal and the window edge are
   ranges, never masks), exp by the same Cephes polynomial as the decode kernel;
 - P @ V is a second small GEMM on V's rows as they lie in the blocks.
@@ -117,15 +121,16 @@ static inline float row_max(const float *x, int64_t n, float init) {
 
 typedef struct {
     float qs[TILE_ROWS * HEAD_DIM], o[TILE_ROWS * HEAD_DIM], m[TILE_ROWS], l[TILE_ROWS];
-    float kt[HEAD_DIM * KEY_CHUNK], s[TILE_ROWS * KEY_CHUNK];
+    float s[TILE_ROWS * KEY_CHUNK];
     const float *vrow[KEY_CHUNK];
 } Scratch;
 
-/* Rows [t0, t0 + nt) of one request's queries (positions pos0 + t) and KV head h. */
-static void attend_tile(const float *q, int64_t q_stride, const float *k, const float *v,
-                        int64_t block_stride, const int32_t *bt, int64_t bs, int64_t row, int64_t pos0,
-                        int64_t nt, int64_t window, float scale, float *out, int64_t out_stride,
-                        Scratch *w) {
+/* Rows [t0, t0 + nt) of one request's queries (positions pos0 + t) and KV head h: kt is its keys'
+   (HEAD_DIM, ldk) panel from position kt_first on, v its V (head h's values of block 0, row 0). */
+static void attend_tile(const float *q, int64_t q_stride, const float *kt, int64_t kt_first, int64_t ldk,
+                        const float *v, int64_t block_stride, const int32_t *bt, int64_t bs, int64_t row,
+                        int64_t pos0, int64_t nt, int64_t window, float scale, float *out,
+                        int64_t out_stride, Scratch *w) {
     const int64_t rows = nt * GROUP, rows_pad = (rows + RB - 1) / RB * RB;
     for (int64_t i = 0; i < rows_pad; i++) {
         float *qi = w->qs + i * HEAD_DIM;
@@ -143,16 +148,13 @@ static void attend_tile(const float *q, int64_t q_stride, const float *k, const 
     for (int64_t c0 = lo; c0 < hi; c0 += KEY_CHUNK) {
         const int64_t nk = hi - c0 < KEY_CHUNK ? hi - c0 : KEY_CHUNK, nk_pad = (nk + 15) / 16 * 16;
         for (int64_t j = 0; j < nk; j++) {
-            const int64_t p = c0 + j, off = (int64_t)bt[p / bs] * block_stride + (p % bs) * row;
-            const float *kr = k + off;
-            for (int d = 0; d < HEAD_DIM; d++) w->kt[d * KEY_CHUNK + j] = kr[d];
-            w->vrow[j] = v + off;
+            const int64_t p = c0 + j;
+            w->vrow[j] = v + (int64_t)bt[p / bs] * block_stride + (p % bs) * row;
         }
-        for (int64_t j = nk; j < nk_pad; j++)
-            for (int d = 0; d < HEAD_DIM; d++) w->kt[d * KEY_CHUNK + j] = 0.f;
+        const float *ktc = kt + (c0 - kt_first);
         for (int64_t i = 0; i < rows_pad; i += RB)
             for (int64_t j = 0; j < nk_pad; j += 16)
-                qk_block(w->qs + i * HEAD_DIM, w->kt + j, KEY_CHUNK, w->s + i * KEY_CHUNK + j, KEY_CHUNK);
+                qk_block(w->qs + i * HEAD_DIM, ktc + j, ldk, w->s + i * KEY_CHUNK + j, KEY_CHUNK);
         for (int64_t i = 0; i < rows_pad; i++) {
             float *si = w->s + i * KEY_CHUNK;
             const int64_t pos = pos0 + i / GROUP;
@@ -220,9 +222,49 @@ int swiftkv_prefill_attention(const float *q, int64_t q_stride, const float *k, 
         first_item[r + 1] = first_item[r] + kv_heads * ((n + QUERY_TILE - 1) / QUERY_TILE);
     }
     const int64_t num_items = first_item[num_reqs], row = kv_heads * HEAD_DIM, heads = kv_heads * GROUP;
+    /* K^T of every request's visible keys, per KV head a (HEAD_DIM, ld) panel: kt_first[r] is the first
+       position its queries see, kt_ld[r] the panel's row length (its key count rounded up to 16, plus
+       16: a tile's chunk may start off the 16-key grid under a window, and reads a full 16-key block) */
+    int64_t *kt_first = malloc(sizeof(int64_t) * 3 * (num_reqs + 1)), *kt_ld = kt_first + num_reqs + 1;
+    int64_t *kt_off = kt_ld + num_reqs + 1;
+    if (kt_first == NULL) {
+        free(first_item);
+        return 1;
+    }
+    kt_off[0] = 0;
+    for (int64_t r = 0; r < num_reqs; r++) {
+        const int64_t n = cu_q[r + 1] - cu_q[r], s = seq_lens[r], pos0 = s - n;
+        kt_first[r] = window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0;
+        kt_ld[r] = n > 0 ? (s - kt_first[r] + 15) / 16 * 16 + 16 : 0;
+        kt_off[r + 1] = kt_off[r] + kv_heads * HEAD_DIM * kt_ld[r];
+    }
+    float *kt = malloc(sizeof(float) * (kt_off[num_reqs] > 0 ? kt_off[num_reqs] : 1));
+    if (kt == NULL) {
+        free(kt_first);
+        free(first_item);
+        return 1;
+    }
     int failed = 0;
     #pragma omp parallel num_threads(num_threads)
     {
+        /* the panels first: a request per item, every KV head of it */
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < num_reqs; r++) {
+            const int64_t ld = kt_ld[r], first = kt_first[r];
+            const int32_t *bt = block_tables + r * bt_stride;
+            for (int64_t j = 0; j < ld; j++) {
+                const int64_t p = first + j;
+                for (int64_t h = 0; h < kv_heads; h++) {
+                    float *dst = kt + kt_off[r] + h * HEAD_DIM * ld + j;
+                    if (p < seq_lens[r]) {
+                        const float *kr = k + (int64_t)bt[p / bs] * block_stride + (p % bs) * row + h * HEAD_DIM;
+                        for (int d = 0; d < HEAD_DIM; d++) dst[d * ld] = kr[d];
+                    } else {
+                        for (int d = 0; d < HEAD_DIM; d++) dst[d * ld] = 0.f;
+                    }
+                }
+            }
+        }
         Scratch *w = aligned_alloc(64, (sizeof(Scratch) + 63) / 64 * 64);
         if (w == NULL) {
             #pragma omp atomic write
@@ -238,13 +280,16 @@ int swiftkv_prefill_attention(const float *q, int64_t q_stride, const float *k, 
             const int64_t t0 = (num_tiles - 1 - local / kv_heads) * QUERY_TILE;  /* most keys first */
             const int64_t nt = n - t0 < QUERY_TILE ? n - t0 : QUERY_TILE;
             const int64_t offset = ((int64_t)cu_q[r] + t0) * q_stride + h * GROUP * HEAD_DIM;
-            attend_tile(q + offset, q_stride, k + h * HEAD_DIM, v + h * HEAD_DIM, block_stride,
-                        block_tables + r * bt_stride, bs, row, seq_lens[r] - n + t0, nt, window, scale,
+            attend_tile(q + offset, q_stride, kt + kt_off[r] + h * HEAD_DIM * kt_ld[r], kt_first[r], kt_ld[r],
+                        v + h * HEAD_DIM, block_stride, block_tables + r * bt_stride, bs, row,
+                        seq_lens[r] - n + t0, nt, window, scale,
                         out + ((int64_t)cu_q[r] + t0) * heads * HEAD_DIM + h * GROUP * HEAD_DIM,
                         heads * HEAD_DIM, w);
         }
         free(w);
     }
+    free(kt);
+    free(kt_first);
     free(first_item);
     return failed;
 }

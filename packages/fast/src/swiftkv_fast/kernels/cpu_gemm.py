@@ -22,8 +22,11 @@ measured on Zen 4 at 16 rows with the weights cycled from memory, interleaved in
 16 rows, weights cycled from memory, interleaved: the prefetch spread over the blocks rather than a
 fixed distance ahead of the first, then 6 + 5 + 5 rows rather than 6 + 6 + 4, took the model's five
 shapes from 66-86 to 73-93 GFLOP/s (8 rows: 6 + 2 stays; 4 + 4 measured slower).
-Work items are (run of GROUPS_PER_ITEM register blocks, about 96 rows; panel), split over torch's
-OpenMP threads in contiguous runs, so that each thread keeps its rows in cache across its panels.
+Work items are (run of register blocks, at most GROUPS_PER_ITEM of them (about 96 rows); panel), split
+over torch's OpenMP threads in contiguous runs, so that each thread keeps its rows in cache across its
+panels. The runs are of equal size: 128 rows on AVX2 are 22 blocks, 11 + 11 rather than 16 + 6, which
+had left one of two threads a third of the work (qkv's shape, interleaved on Zen 3: 128 rows 59 -> 100
+GFLOP/s, 512 rows 81 -> 102, oneDNN 81 and 114 there).
 
 Why it exists: a decode GEMM of 16 rows reads its weight from memory every step (the model's weights
 do not fit in cache), and the libraries' kernels, tuned for large products, do not overlap those
@@ -118,8 +121,8 @@ static void micro##R(const float *x, const float *panel, int64_t K, float *y,   
 MICRO(1) MICRO(2) MICRO(3) MICRO(4) MICRO(5) MICRO(6)
 #define MICROS {micro1, micro2, micro3, micro4, micro5, micro6}
 #endif
-#define GROUPS_PER_ITEM (96 / MR)  /* register blocks (about 96 rows of x) an item keeps in cache across
-                                      its panel */
+#define GROUPS_PER_ITEM (96 / MR)  /* at most this many register blocks (about 96 rows of x) in an item,
+                                      which keeps them in cache across its panel */
 
 /* y[R][16] (rows ldy apart) = x[R][K] (rows ldx apart) . panel[K][16], plus y's own values when `add`
    (the partial sums of the preceding K block); R <= MR */
@@ -161,12 +164,18 @@ int swiftkv_gemm_pack(const float *w, int64_t ldw, int64_t N, int64_t K, float *
    4 + 4). */
 struct gemm_rows {
     int64_t M, groups, base, extra;
+    int64_t per_item;  /* register blocks per item: runs of equal size, at most GROUPS_PER_ITEM (22 blocks
+                          are 11 + 11, not 16 + 6, which left one of two threads a third of the work) */
 };
 
 static inline struct gemm_rows gemm_rows(int64_t M) {
     const int64_t groups = (M + MR - 1) / MR;
-    struct gemm_rows r = {M, groups, groups ? M / groups : 0, groups ? M % groups : 0};
+    struct gemm_rows r = {M, groups, groups ? M / groups : 0, groups ? M % groups : 0, 1};
     if (r.base < MR - 1) r.base = MR, r.extra = 0;
+    if (groups) {
+        const int64_t runs = (groups + GROUPS_PER_ITEM - 1) / GROUPS_PER_ITEM;
+        r.per_item = (groups + runs - 1) / runs;
+    }
     return r;
 }
 
@@ -202,7 +211,7 @@ static void gemm_pack_x(float *x, int64_t ldx, int64_t K, struct gemm_rows rows,
 }
 
 static inline int64_t gemm_items(struct gemm_rows rows, int64_t N) {
-    return (rows.groups + GROUPS_PER_ITEM - 1) / GROUPS_PER_ITEM * ((N + 15) / 16);
+    return (rows.groups + rows.per_item - 1) / rows.per_item * ((N + 15) / 16);
 }
 
 /* Inside a parallel region, after gemm_pack_x (a worksharing loop over the items): y (M, N)
@@ -212,8 +221,8 @@ static void gemm_run(const float *xp, const float *packed, const float *bias, fl
     const int64_t panels = (N + 15) / 16, groups = rows.groups;
     #pragma omp for schedule(static)
     for (int64_t item = 0; item < gemm_items(rows, N); item++) {
-        const int64_t g0 = (item / panels) * GROUPS_PER_ITEM, p = item % panels;
-        const int64_t g1 = g0 + GROUPS_PER_ITEM < groups ? g0 + GROUPS_PER_ITEM : groups;
+        const int64_t g0 = (item / panels) * rows.per_item, p = item % panels;
+        const int64_t g1 = g0 + rows.per_item < groups ? g0 + rows.per_item : groups;
         const int64_t m0 = GROUP_START(g0), m1 = GROUP_START(g1), n0 = 16 * p;
         const float *panel = packed + p * K * 16;
         const int full = n0 + 16 <= N;

@@ -79,7 +79,9 @@ struct stack_step {
 };
 
 /* The first position a layer reads of a request with n positions */
-static inline int64_t first_read(int64_t n, int64_t window) { return window > 0 && n > window ? n - window : 0; }
+static inline int64_t first_read(int64_t n, int64_t window) {
+    return window > 0 && n > window ? n - window : 0;
+}
 
 /* 0, or what is wrong (nothing is written then): 4 a position outside the RoPE table, 2 a seq_len
    beyond its block table, 3 a block id read outside the cache, 5 a slot written outside the cache */
@@ -165,7 +167,12 @@ int swiftkv_decode_stack(const struct stack_step *st, const struct stack_layer *
 
 
 class StackLinear(ctypes.Structure):
-    _fields_ = [("packed", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("N", ctypes.c_int64), ("K", ctypes.c_int64)]
+    _fields_ = [
+        ("packed", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("N", ctypes.c_int64),
+        ("K", ctypes.c_int64),
+    ]
 
 
 class StackLayer(ctypes.Structure):

@@ -112,7 +112,8 @@ int swiftkv_rope(float *x, int64_t x_stride, int64_t T, int64_t heads, int64_t D
     const int64_t half = D / 2;
     #pragma omp parallel for num_threads(num_threads) if (T * heads * D >= PARALLEL_MIN)
     for (int64_t t = 0; t < T; t++)
-        swiftkv_rope_row(x + t * x_stride, heads, D, cos_table + positions[t] * half, sin_table + positions[t] * half);
+        swiftkv_rope_row(x + t * x_stride, heads, D, cos_table + positions[t] * half,
+                         sin_table + positions[t] * half);
     return 0;
 }
 

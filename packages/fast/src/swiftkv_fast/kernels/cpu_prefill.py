@@ -257,7 +257,8 @@ int swiftkv_prefill_attention(const float *q, int64_t q_stride, const float *k, 
                 for (int64_t h = 0; h < kv_heads; h++) {
                     float *dst = kt + kt_off[r] + h * HEAD_DIM * ld + j;
                     if (p < seq_lens[r]) {
-                        const float *kr = k + (int64_t)bt[p / bs] * block_stride + (p % bs) * row + h * HEAD_DIM;
+                        const float *kr =
+                            k + (int64_t)bt[p / bs] * block_stride + (p % bs) * row + h * HEAD_DIM;
                         for (int d = 0; d < HEAD_DIM; d++) dst[d * ld] = kr[d];
                     } else {
                         for (int d = 0; d < HEAD_DIM; d++) dst[d * ld] = 0.f;

@@ -43,17 +43,27 @@ class DecodeStack:
         self.eps, self.scale, self.rotary = eps, scale, rotary
         self.writes_kv = writes_kv
         self.num_groups = 1 + max((lw.group for lw in self.layers), default=0)
-        group = num_heads // num_kv_heads
-        shape_ok = num_heads % num_kv_heads == 0 and cpu_decode.supports_shape(head_dim, group)
-        self._fn = kernel_module.kernel(head_dim, group) if self.layers and shape_ok else None
+        self._kv_slot = kv_slot
         self._runs_at: dict[int, bool] = {}
         self.calls = 0  # runs so far (tests, stats)
-        self._structs = None
-        if self._fn is not None and all(self._fp32(lw) for lw in self.layers):
-            self._keep = []  # the biases' fp32 copies the structs point at
+        self._fn = self._structs = None  # the kernel and its layer table, built at the first row count served
+        self._keep: list[torch.Tensor] = []  # the biases' fp32 copies the table points at
+
+    def _build(self) -> bool:
+        """Compile the kernel and fill the layer table (once); False where the kernel cannot serve."""
+        if self._structs is None:
+            group = self.num_heads // self.num_kv_heads
+            shapes_ok = self.num_heads % self.num_kv_heads == 0
+            shapes_ok = shapes_ok and cpu_decode.supports_shape(self.head_dim, group)
+            if not (self.layers and shapes_ok and all(self._fp32(lw) for lw in self.layers)):
+                return False
+            self._fn = kernel_module.kernel(self.head_dim, group)
+            if self._fn is None:
+                return False
             self._structs = (StackLayer * len(self.layers))(
-                *(self._layer(lw, kv_slot[lw.cache_layer]) for lw in self.layers)
+                *(self._layer(lw, self._kv_slot[lw.cache_layer]) for lw in self.layers)
             )
+        return True
 
     @staticmethod
     def _fp32(lw) -> bool:
@@ -89,9 +99,8 @@ class DecodeStack:
         )
 
     def runs_at(self, rows: int) -> bool:
-        """The stack serves `rows` decode rows: built, and the panel GEMM runs every linear at that count."""
-        if self._structs is None:
-            return False
+        """The stack serves `rows` decode rows: the panel GEMM runs every linear at that count, and the
+        kernel builds here (compiled at the first such count)."""
         runs = self._runs_at.get(rows)
         if runs is None:
             runs = all(
@@ -99,6 +108,7 @@ class DecodeStack:
                 for lw in self.layers
                 for lin in (lw.qkv, lw.o, lw.gate_up, lw.down)
             )
+            runs = runs and self._build()
             self._runs_at[rows] = runs
         return runs
 
@@ -166,9 +176,9 @@ class DecodeStack:
     def applies(self, h: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         """The tensors are what the C call reads: fp32 CPU h (T, hidden) contiguous, a cache with dense
         rows, and the panel GEMM at T rows for every linear."""
-        if not (h.is_cpu and h.dtype == torch.float32 and h.is_contiguous() and kv_cache.dtype == torch.float32):
+        if not (h.is_cpu and h.dtype == torch.float32 and h.is_contiguous()):
             return False
-        if not kv_cache.is_cpu or not self.runs_at(h.shape[0]):
+        if kv_cache.dtype != torch.float32 or not kv_cache.is_cpu or not self.runs_at(h.shape[0]):
             return False
         block_size = kv_cache.shape[3]
         row = self.num_kv_heads * self.head_dim

@@ -29,8 +29,8 @@ from swiftkv_fast.attention.base import AttentionBackend
 from swiftkv_fast.distributed.parallel_state import SINGLE, TensorParallelGroup
 from swiftkv_fast.model.decode_stack import DecodeStack
 from swiftkv_fast.model.kv_cache_layout import KVCacheLayout
-from swiftkv_fast.model.layers import Linear, RotaryTable
-from swiftkv_fast.model.model_input import ModelInput
+from swiftkv_fast.model.layers import Linear, RotaryTable, Rotation
+from swiftkv_fast.model.model_input import GroupBatch, ModelInput
 
 
 @dataclass
@@ -109,7 +109,13 @@ class SwiftKVModel:
         return self.tp.all_reduce(lw.down.after_silu_and_mul(gate_up))
 
     def _first_half_layer(
-        self, h: torch.Tensor, mlp_out: torch.Tensor | None, lw: LayerWeights, grp, rope, kv_cache: torch.Tensor
+        self,
+        h: torch.Tensor,
+        mlp_out: torch.Tensor | None,
+        lw: LayerWeights,
+        grp: GroupBatch,
+        rope: Rotation,
+        kv_cache: torch.Tensor,
     ) -> torch.Tensor:
         """One layer < L over every scheduled token, one op at a time: h += mlp_out (the previous layer's
         MLP output) in place; returns this layer's MLP output."""
@@ -139,7 +145,7 @@ class SwiftKVModel:
         every scheduled token. kv_cache: (num_kv_slots, 2, num_blocks, block_size, kv_heads,
         head_dim), cache layer c at slot kv_slot[c]. Returns the hidden states (S, hidden) of the
         sampled tokens, None if there are none."""
-        nh, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        kvh, hd = self.num_kv_heads, self.head_dim
         h = self._embed(inp.input_ids)  # (T, hidden)
         rope = self.rotary.at(inp.positions)
         mlp_out = None  # the previous layer's MLP output: the next norm adds it to h

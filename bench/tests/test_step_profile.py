@@ -53,6 +53,21 @@ def test_profiled_steps_split_into_linear_attention_and_rest():
     assert isinstance(model.w.layers[0].qkv, Linear) and isinstance(model.w.kv_swiftkv, Linear)
 
 
+def test_decode_stack_calls_are_timed_as_stack():
+    llm = tiny_llm(2, linear_kernel="panel")  # every linear the panel GEMM: decode rows run the stacks
+    model = engine.swiftkv_model(llm)
+    stacks = model.stacks
+    prompts = engine.random_prompts(3, 12, llm.config.vocab_size)
+    with step_profile.profiled(llm) as prof:
+        engine.run_batch(llm, prompts, 4)
+    decode = prof.summary()["decode"]
+    if stacks[0] is None or not stacks[0].runs_at(3):
+        pytest.skip("no decode stack here (no C compiler)")
+    assert decode["steps"] == 3 and decode["stack_share"] > 0
+    assert decode["attention_share"] == 0  # every layer of a decode step ran inside the stacks
+    assert model.stacks is stacks and stacks[0].calls == 3 and stacks[1].calls == 3
+
+
 def test_the_engine_is_restored_when_the_run_fails():
     llm = tiny_llm()
     model = engine.swiftkv_model(llm)

@@ -65,7 +65,8 @@ def test_decode_stack_calls_are_timed_as_stack():
         pytest.skip("no decode stack here (no C compiler)")
     assert decode["steps"] == 3 and decode["stack_share"] > 0
     assert decode["attention_share"] == 0  # every layer of a decode step ran inside the stacks
-    assert model.stacks is stacks and stacks[0].calls == 3 and stacks[1].calls == 4  # + the prompt step's second half
+    assert model.stacks is stacks and stacks[0].calls == 3
+    assert stacks[1].calls == 4  # and the prompt step's second half
 
 
 def test_the_engine_is_restored_when_the_run_fails():

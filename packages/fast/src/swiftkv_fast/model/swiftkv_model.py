@@ -11,6 +11,8 @@ group), which is what a CUDA graph captures (worker/cuda_graph.py). L == N is th
 qkv, gate_up, and the k/v_proj_swiftkv of all group leaders in one matrix. Cache layer c lives in
 physical KV slot `self.kv_slot[c]` of the engine's tensor (model/kv_cache_layout.py: the i-th cache
 layer of each kvcache group is slot i; a hybrid model's groups share slots, never block ids).
+On CPU, a half's layers over decode rows run as one C call where it applies (`self.stacks`,
+model/decode_stack.py), with the same result as the op-by-op loop below.
 
 Under tensor parallelism (model/tp_sharding.py) the weights are one rank's shard: `num_heads` and
 `num_kv_heads` are the rank's, o_proj and down_proj outputs are summed over the ranks (`tp.all_reduce`),

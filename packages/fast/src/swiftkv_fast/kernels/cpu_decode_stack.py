@@ -19,9 +19,11 @@ is bit-identical to them (tests/test_cpu_decode_stack.py). Measured on the Zen 3
 (16 x 256 -> 64) at L = 15, stack and per-op alternating in one process over 6 rounds: median decode
 step (TPOT) 88.0 -> 78.7 ms. Prefetching the next layer's K/V blocks while this layer's o_proj and MLP
 GEMMs run (to overlap the attention's memory reads with their FMAs) made it slower (189 -> 206 ms at
-640-token contexts, interleaved): the GEMMs at 16 rows read their weights from memory too. Every layer's linears must be the panel
-GEMM's layouts (PanelWeight); the model calls this only where the kernel chooser runs the panel GEMM
-at the step's row count for every one of them (model/decode_stack.py).
+640-token contexts, interleaved): the GEMMs at 16 rows read their weights from memory too.
+
+Every layer's linears must be the panel GEMM's layouts (PanelWeight); the model calls this only where
+the kernel chooser runs the panel GEMM at the step's row count for every one of them
+(model/decode_stack.py).
 
 Inputs are checked before any work (positions within the RoPE table, seq_lens within the block tables,
 the block ids read, the slots written): a bad one raises ValueError with nothing written, h included.

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from .base import EngineOptions, Implementation, Output, Runner, Sampling
-from .fast import FastCudaGraph, FastFlash, FastTorch, FastTP2, FastTriton
+from .fast import FastCpuStack, FastCudaGraph, FastFlash, FastTorch, FastTP2, FastTriton
 from .reference import Reference
 
 IMPLEMENTATIONS: dict[str, type[Implementation]] = {
-    cls.name: cls for cls in (Reference, FastTorch, FastTriton, FastFlash, FastCudaGraph, FastTP2)
+    cls.name: cls
+    for cls in (Reference, FastTorch, FastCpuStack, FastTriton, FastFlash, FastCudaGraph, FastTP2)
 }
 GPU_IMPLEMENTATIONS = [name for name, cls in IMPLEMENTATIONS.items() if cls.gpu]
 

@@ -7,6 +7,9 @@ fast-cudagraph  attention_backend="triton" with the second half replayed from CU
                 every generate() call must replay at least one graph (LLM.get_stats()["cuda_graph_replays"])
 fast-tp2        attention_backend="torch", tensor_parallel_size=2: rank 0 here and one worker process
                 (gloo on CPU; on CUDA two devices and NCCL, else skipped)
+fast-cpu-stack  attention_backend="torch" on CPU with every linear through the panel GEMM
+                (linear_kernel="panel"), so that decode rows run each half's layers as one C call
+                (model/decode_stack.py) whatever the kernel timings of the machine say
 """
 
 from __future__ import annotations
@@ -286,3 +289,26 @@ class FastTP2(Fast):
     @classmethod
     def version(cls) -> str:
         return f"{super().version()} (torch.distributed {'nccl' if _cuda() else 'gloo'})"
+
+
+class FastCpuStack(Fast):
+    """The CPU path whose decode rows run the decode stack (model/decode_stack.py): it serves only where
+    the panel GEMM runs every linear, so this forces that kernel instead of timing the candidates."""
+
+    name = "fast-cpu-stack"
+    backend = "torch"
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        import shutil
+
+        if shutil.which(os.environ.get("CC", "cc")) is None:
+            return False, "no C compiler: the panel GEMM and the decode stack are compiled kernels"
+        return cls._base_available()
+
+    @classmethod
+    def device(cls) -> str:
+        return "cpu"
+
+    def engine_kwargs(self, engine: EngineOptions) -> dict[str, Any]:
+        return {**super().engine_kwargs(engine), "linear_kernel": "panel"}

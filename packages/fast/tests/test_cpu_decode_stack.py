@@ -71,6 +71,26 @@ def test_stack_stays_off_where_a_linear_is_not_the_panel_gemm(tiny):
     assert all(not s.runs_at(2) and s.calls == 0 for s in model.stacks)
 
 
+def test_stack_refuses_layers_of_other_widths(tiny):
+    """The C call trusts the widths it is given: layers that are not what it computes never reach it."""
+    from swiftkv_fast.model.decode_stack import DecodeStack
+
+    _, _, model = _engine(tiny, "swiftkv_g1", stacks=True)
+    first = model.stacks[0]
+    shape = dict(
+        kv_slot=model.kv_slot,
+        num_heads=model.num_heads,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        eps=model.eps,
+        scale=model.scale,
+        rotary=model.rotary,
+    )
+    assert first.runs_at(2)
+    # first-half layers (qkv = q + k + v) taken as second-half ones (qkv = q): refused
+    assert not DecodeStack(first.layers, writes_kv=False, **shape).runs_at(2)
+
+
 def test_bad_input_raises_before_anything_is_written(tiny):
     cfg, llm, model = _engine(tiny, "swiftkv_g1", stacks=True)
     runner = llm.llm_engine.runner

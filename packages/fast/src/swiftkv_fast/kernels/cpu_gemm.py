@@ -164,8 +164,7 @@ int swiftkv_gemm_pack(const float *w, int64_t ldw, int64_t N, int64_t K, float *
    4 + 4). */
 struct gemm_rows {
     int64_t M, groups, base, extra;
-    int64_t per_item;  /* register blocks per item: runs of equal size, at most GROUPS_PER_ITEM (22 blocks
-                          are 11 + 11, not 16 + 6, which left one of two threads a third of the work) */
+    int64_t per_item;  /* register blocks per item: runs of equal size, at most GROUPS_PER_ITEM */
 };
 
 static inline struct gemm_rows gemm_rows(int64_t M) {

@@ -57,7 +57,7 @@ class DecodeStack:
             group = self.num_heads // self.num_kv_heads
             shapes_ok = self.num_heads % self.num_kv_heads == 0
             shapes_ok = shapes_ok and cpu_decode.supports_shape(self.head_dim, group)
-            if not (self.layers and shapes_ok and all(self._fp32(lw) for lw in self.layers)):
+            if not (self.layers and shapes_ok and all(self._fits(lw) for lw in self.layers)):
                 return False
             self._fn = kernel_module.kernel(self.head_dim, group)
             if self._fn is None:
@@ -67,11 +67,22 @@ class DecodeStack:
             )
         return True
 
-    @staticmethod
-    def _fp32(lw) -> bool:
-        return all(
-            t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in (lw.input_norm, lw.post_norm)
+    def _fits(self, lw) -> bool:
+        """The layer is what the C call computes: fp32 norms, and linears of the widths it reads and
+        writes (qkv: q, or q + k + v where it writes the cache; the MLP: gate and up side by side)."""
+        hidden, q_width = lw.input_norm.shape[0], self.num_heads * self.head_dim
+        qkv = q_width + (2 * self.num_kv_heads * self.head_dim if self.writes_kv else 0)
+        widths = [
+            (lw.qkv.in_features, lw.qkv.out_features) == (hidden, qkv),
+            (lw.o.in_features, lw.o.out_features) == (q_width, hidden),
+            lw.gate_up.in_features == hidden and lw.gate_up.out_features == 2 * lw.down.in_features,
+            lw.down.out_features == hidden,
+        ]
+        norms = all(
+            t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() and t.shape == (hidden,)
+            for t in (lw.input_norm, lw.post_norm)
         )
+        return all(widths) and norms
 
     def _linear(self, lin: Linear) -> StackLinear:
         panel = lin.layouts.get("panel")
@@ -175,7 +186,9 @@ class DecodeStack:
     def applies(self, h: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         """The tensors are what the C call reads: fp32 CPU h (T, hidden) contiguous, a cache with dense
         rows, and the panel GEMM at T rows for every linear."""
-        if not (h.is_cpu and h.dtype == torch.float32 and h.is_contiguous()):
+        if not (h.is_cpu and h.dtype == torch.float32 and h.is_contiguous() and h.dim() == 2):
+            return False
+        if not self.layers or h.shape[1] != self.layers[0].input_norm.shape[0]:
             return False
         if kv_cache.dtype != torch.float32 or not kv_cache.is_cpu or not self.runs_at(h.shape[0]):
             return False

@@ -1,0 +1,51 @@
+"""The run-queue meter (model/cpu_contention.py) against a real busy process on our core."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from swiftkv_fast.model.cpu_contention import ContentionMeter, waited_seconds
+
+linux_schedstat = pytest.mark.skipif(
+    waited_seconds() is None or not hasattr(os, "sched_setaffinity"), reason="needs Linux schedstats"
+)
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+@linux_schedstat
+def test_a_busy_process_on_our_core_shows_as_waiting():
+    """Pinned to one core beside a process spinning there, this thread waits for the core about half the
+    time; the meter's threshold for 'busy' (linear_kernels.BUSY_SHARE) is 0.1."""
+    original = os.sched_getaffinity(0)
+    core = min(original)
+    os.sched_setaffinity(0, {core})  # this thread, and the child it starts, on one core
+    spin_5s = "import time\nt = time.time()\nwhile time.time() - t < 5: pass"
+    spinner = subprocess.Popen([sys.executable, "-c", spin_5s])
+    try:
+        _spin(0.2)  # the child is running
+        meter = ContentionMeter()
+        _spin(0.6)
+        busy = meter.share(1)
+    finally:
+        spinner.kill()
+        spinner.wait(timeout=10)
+        os.sched_setaffinity(0, original)
+    assert busy is not None and busy > 0.2
+
+
+def test_the_share_is_the_wait_over_the_wall_time_of_the_threads():
+    waits = iter([1.0, 1.5])
+    meter = ContentionMeter(lambda: next(waits))
+    time.sleep(0.05)
+    share = meter.share(2)  # 0.5 s waited over at least 2 x 0.05 s
+    assert 0 < share <= 0.5 / (2 * 0.05)
+    assert ContentionMeter(lambda: None).share(2) is None  # unknown where Linux does not say

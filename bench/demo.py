@@ -189,6 +189,7 @@ def _case(llm, prompts, max_tokens):
     return call
 
 
+@report.optional_plot
 def plot(rows: list[dict], out: Path) -> Path:
     fig, axes = report.new_figure(ncols=3, width=3.6)
     labels = [f"{r['mode']}\nL={r['num_key_value_layers']}" for r in rows]

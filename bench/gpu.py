@@ -178,6 +178,7 @@ def _model(name: str, args, prefill, decode, repeat, warmup) -> list[dict]:
     return rows
 
 
+@report.optional_plot
 def plot(rows: list[dict], out: Path) -> Path:
     models = list(dict.fromkeys(r["model"] for r in rows)) or ["(none)"]
     fig, axes = report.new_figure(ncols=len(models), width=5)

@@ -178,6 +178,7 @@ def _table(rows: list[dict], num_requests: int, repeat: int) -> report.Table:
     return t
 
 
+@report.optional_plot
 def plot(series: dict, num_blocks: int, out: Path) -> Path:
     fig, (ax,) = report.new_figure(width=7)
     for i, (name, s) in enumerate(series.items()):

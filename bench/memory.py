@@ -208,6 +208,7 @@ def _per_rank_cells(row: dict | None) -> list:
     return [bytes_cell, f"{row['max_concurrency']:.2f}"]
 
 
+@report.optional_plot
 def plot(rows: list[dict], out: Path) -> Path:
     fig, (ax_b, ax_c) = report.new_figure(ncols=2)
     labels = [f"L={r['num_key_value_layers']}\nG={r['key_value_group_size']}" for r in rows]

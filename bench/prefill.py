@@ -112,6 +112,7 @@ def _case(llm, prompts):
     return call
 
 
+@report.optional_plot
 def plot(rows: list[dict], layers: list[int], out: Path) -> Path:
     fig, (ax_tps, ax_ratio) = report.new_figure(ncols=2)
     for i, L in enumerate(layers):

@@ -360,6 +360,7 @@ def write_outputs(
     return [json_path, plot(rows, speed, out)]
 
 
+@report.optional_plot
 def plot(rows: list[dict], speed: dict | None, out: Path) -> Path:
     """Top-1 agreement (solid; greedy agreement dotted) and KL against the prefill speedup (or L without
     it): one line per method through the G = 1 splits, AcrossKV splits as open squares."""

@@ -1,4 +1,5 @@
-"""The one output format: a printed table, a JSON file, a PNG plot (matplotlib, Agg backend).
+"""The one output format: a printed table, a JSON file, a PNG plot (matplotlib, Agg backend; where
+matplotlib is not installed, the table and the JSON still come, without the plot).
 
 JSON layout (every benchmark):
     {"benchmark": name, "settings": {...}, "machine": machine_info(), "results": [...rows...], **extra}
@@ -6,10 +7,11 @@ JSON layout (every benchmark):
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -83,6 +85,22 @@ def write_json(out_dir: Path, name: str, settings: dict, results: Sequence[dict]
     payload.update(extra)
     path.write_text(json.dumps(to_jsonable(payload), indent=2) + "\n")
     return path
+
+
+def optional_plot(plot: Callable[..., Path]) -> Callable[..., Path | None]:
+    """A benchmark's plot function that returns None, with one log line, where matplotlib is missing, so
+    that a run's table and JSON are not lost to it."""
+
+    @functools.wraps(plot)
+    def wrapper(*args: Any, **kwargs: Any) -> Path | None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            log.warning("matplotlib is not installed: no plot (pip install matplotlib, or nox -s bench)")
+            return None
+        return plot(*args, **kwargs)
+
+    return wrapper
 
 
 def new_figure(ncols: int = 1, width: float = 6.0, height: float = 4.0):

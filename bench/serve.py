@@ -423,6 +423,7 @@ def _table(rows: list[dict], workload: Workload, repeat: int, on_layers: int) ->
     return t
 
 
+@report.optional_plot
 def plot(rows: list[dict], systems: list[str], concurrency: list[int], out: Path) -> Path:
     fig, (tps, ttft) = report.new_figure(ncols=2, width=5.0)
     for system in systems:

@@ -328,6 +328,7 @@ def _lat(row: dict, key: str) -> str:
     return "-" if vals[0] is None else "/".join(f"{v:.0f}" for v in vals)
 
 
+@report.optional_plot
 def plot(rows: list[dict], mixes: list[str], systems: list[str], out: Path) -> Path:
     fig, axes = report.new_figure(ncols=len(mixes), width=4.2)
     for ax, mix in zip(axes, mixes):

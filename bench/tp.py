@@ -314,6 +314,7 @@ def _ratio(s: Stats | None) -> str:
     return "-" if s is None else f"{s.median:.2f}x"
 
 
+@report.optional_plot
 def plot(kv_rows: list[dict], step_rows: list[dict], out: Path) -> Path:
     fig, (ax_b, ax_s) = report.new_figure(ncols=2)
     for i, model in enumerate(dict.fromkeys(r["model"] for r in kv_rows)):

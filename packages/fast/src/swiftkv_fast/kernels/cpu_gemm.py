@@ -76,6 +76,7 @@ SOURCE = (
 #include <string.h>
 
 #define IN_BLOCK 256  /* input features per pass: 16 KB of panel stays in L1 across the row blocks */
+#define PACK_CHUNK 64  /* input features per step of the packing of x: MR rows of it on the stack */
 
 #if defined(__AVX512F__) && !SWIFTKV_NO_AVX512
 /* 32 vector registers of 16 lanes: up to 16 rows x one panel in 16 accumulators, so a 16-row decode
@@ -192,27 +193,38 @@ static inline int64_t gemm_xp_floats(int64_t M, int64_t K) { return (M + MR - 1)
 /* Inside a parallel region (a worksharing loop over the groups, so every thread of the region must
    call it): x packed by group into xp, (groups, K, MR), zero past a group's rows, so that every
    broadcast of a register block comes from one sequential stream; the prologue applied to each row
-   on the way. */
+   on the way. By chunks of PACK_CHUNK inputs: each row's prologue into a contiguous buffer (loops the
+   compiler vectorizes), then the chunk's MR-float lines of xp written one after the other. Writing
+   each row's values MR floats apart instead (vector scatters, or one store per line per row) took 6x
+   as long on a Zen 4 EPYC: 18 against 3 us for 16 rows of 1,536, ~2% of a decode step. */
 static void gemm_pack_x(float *x, int64_t ldx, int64_t K, struct gemm_rows rows, int prologue,
                         const float *d, int64_t ldd, const float *norm_w, float eps, float *xp) {
     const int64_t M = rows.M;
     #pragma omp for schedule(static)
-    for (int64_t g = 0; g < rows.groups; g++)
-        for (int r = 0; r < MR; r++) {
-            const int64_t m = GROUP_START(g) + r;
-            float *dst = xp + g * K * MR + r;
-            float *xr = x + (m < M ? m : 0) * ldx;
-            if (m >= GROUP_START(g + 1)) {
-                for (int64_t k = 0; k < K; k++) dst[MR * k] = 0.f;
-            } else if (prologue == PROLOGUE_RMS_NORM) {
-                const float s = swiftkv_add_rms_scale(xr, d != NULL ? d + m * ldd : NULL, K, eps);
-                for (int64_t k = 0; k < K; k++) dst[MR * k] = (xr[k] * s) * norm_w[k];
-            } else if (prologue == PROLOGUE_SILU_MUL) {
-                for (int64_t k = 0; k < K; k++) dst[MR * k] = swiftkv_silu_mul(xr[k], xr[K + k]);
-            } else {
-                for (int64_t k = 0; k < K; k++) dst[MR * k] = xr[k];
+    for (int64_t g = 0; g < rows.groups; g++) {
+        const int64_t m0 = GROUP_START(g), n_rows = GROUP_START(g + 1) - m0;
+        float scale[MR], chunk[MR][PACK_CHUNK];
+        for (int64_t r = 0; r < n_rows && prologue == PROLOGUE_RMS_NORM; r++)
+            scale[r] = swiftkv_add_rms_scale(x + (m0 + r) * ldx, d != NULL ? d + (m0 + r) * ldd : NULL, K, eps);
+        for (int64_t k0 = 0; k0 < K; k0 += PACK_CHUNK) {
+            const int64_t n = K - k0 < PACK_CHUNK ? K - k0 : PACK_CHUNK;
+            for (int64_t r = 0; r < MR; r++) {
+                const float *xr = x + (m0 + r < M ? m0 + r : 0) * ldx + k0;
+                float *c = chunk[r];
+                if (r >= n_rows)
+                    for (int64_t k = 0; k < n; k++) c[k] = 0.f;
+                else if (prologue == PROLOGUE_RMS_NORM)
+                    for (int64_t k = 0; k < n; k++) c[k] = (xr[k] * scale[r]) * norm_w[k0 + k];
+                else if (prologue == PROLOGUE_SILU_MUL)
+                    for (int64_t k = 0; k < n; k++) c[k] = swiftkv_silu_mul(xr[k], xr[K + k]);
+                else
+                    for (int64_t k = 0; k < n; k++) c[k] = xr[k];
             }
+            float *dst = xp + g * K * MR + k0 * MR;
+            for (int64_t k = 0; k < n; k++)
+                for (int r = 0; r < MR; r++) dst[MR * k + r] = chunk[r][k];
         }
+    }
 }
 
 static inline int64_t gemm_items(struct gemm_rows rows, int64_t N) {

@@ -136,27 +136,29 @@ def test_cache_round_trips_and_skips_the_timing(tmp_path, log):
     assert "timings from" in log.records[-1].getMessage()
 
 
-def test_timings_taken_on_a_busy_machine_are_taken_again_and_not_cached(tmp_path, log):
-    """Each try reads the run-queue delay before and after; the first try's threads waited (another
-    process had the cores), the second's did not: the second try's timings decide and are cached."""
-    waits = iter([0.0, 50.0, 50.0, 50.0])
+def test_a_case_timed_on_a_busy_machine_is_timed_again(tmp_path, log):
+    """Each try of a case (one row bucket, every kernel) reads the run-queue delay before and after.
+    Bucket 1: the first try's threads waited (another process had the cores), the second's did not, and
+    the second try's timings decide. Bucket 16: undisturbed at once. Then the shape is cached."""
+    waits = iter([0.0, 50.0, 50.0, 50.0, 50.0, 50.0])
     tries: list = []
 
     def timer(kernel, rows, call):
-        tries.append(kernel)
-        disturbed = len(tries) <= 4 * lk.MIN_SAMPLES * 2  # the first try: 2 buckets x MIN_SAMPLES rounds
+        tries.append((kernel, rows))
+        disturbed = len(tries) <= 4 * lk.MIN_SAMPLES  # the first try of bucket 1
         return 0.1 if kernel == ("matmul" if disturbed else "panel") else 1.0
 
     ch = chooser(buckets=(1, 16), cache_dir=tmp_path, timer=timer, waited=lambda: next(waits))
     w = torch.randn(32, 16)
     assert ch.choose("o", w, None, 16).plan == ((sys.maxsize, "panel"),)
-    assert len(tries) == 2 * 4 * lk.MIN_SAMPLES * 2 and not ch.busy
+    assert [rows for _, rows in tries] == [1] * 8 * lk.MIN_SAMPLES + [16] * 4 * lk.MIN_SAMPLES
+    assert not ch.busy
     ch.finish()
     cached = json.loads(ch.cache_path.read_text())["times"]
     assert set(cached) == {ch._shape_key(w)}
 
 
-def test_timings_disturbed_in_every_try_decide_from_the_least_disturbed_and_are_not_cached(tmp_path, log):
+def test_a_case_disturbed_in_every_try_uses_the_least_disturbed_and_is_not_cached(tmp_path, log):
     w_cached, w_busy = torch.randn(32, 16), torch.randn(48, 16)
     even = fake_timer({k: {1: 1.0, 16: 1.0} for k in lk.KERNELS})
     quiet = chooser(buckets=(1, 16), cache_dir=tmp_path, timer=even)
@@ -164,18 +166,19 @@ def test_timings_disturbed_in_every_try_decide_from_the_least_disturbed_and_are_
     quiet.finish()
     before = json.loads(quiet.cache_path.read_text())["times"]
 
-    waits = iter([0.0, 90.0, 90.0, 100.0, 100.0, 190.0])  # waited 90, then 10, then 90 seconds
+    # bucket 1 waits 90, then 10, then 90 seconds in its three tries; bucket 16 is undisturbed
+    waits = iter([0.0, 90.0, 90.0, 100.0, 100.0, 190.0, 190.0, 190.0])
     tries: list = []
 
     def timer(kernel, rows, call):
         tries.append(kernel)
-        second = 4 * lk.MIN_SAMPLES * 2 < len(tries) <= 2 * 4 * lk.MIN_SAMPLES * 2
-        return 0.1 if kernel == ("mkldnn" if second else "matmul") else 1.0
+        second = 4 * lk.MIN_SAMPLES < len(tries) <= 2 * 4 * lk.MIN_SAMPLES
+        return 0.1 if kernel == ("mkldnn" if second or rows == 16 else "matmul") else 1.0
 
     busy = chooser(buckets=(1, 16), cache_dir=tmp_path, timer=timer, waited=lambda: next(waits))
     assert busy.choose("o", w_cached, None, 16).plan  # cached: not timed
     assert busy.choose("lm_head", w_busy, None, 16).plan == ((sys.maxsize, "mkldnn"),)
-    assert len(tries) == lk.MAX_TRIES * 4 * lk.MIN_SAMPLES * 2
+    assert len(tries) == (lk.MAX_TRIES + 1) * 4 * lk.MIN_SAMPLES
     assert set(busy.busy) == {busy._shape_key(w_busy)}
     busy.finish()
     assert json.loads(busy.cache_path.read_text())["times"] == before  # the busy shape left out

@@ -204,8 +204,10 @@ static void gemm_pack_x(float *x, int64_t ldx, int64_t K, struct gemm_rows rows,
     for (int64_t g = 0; g < rows.groups; g++) {
         const int64_t m0 = GROUP_START(g), n_rows = GROUP_START(g + 1) - m0;
         float scale[MR], chunk[MR][PACK_CHUNK];
-        for (int64_t r = 0; r < n_rows && prologue == PROLOGUE_RMS_NORM; r++)
-            scale[r] = swiftkv_add_rms_scale(x + (m0 + r) * ldx, d != NULL ? d + (m0 + r) * ldd : NULL, K, eps);
+        for (int64_t r = 0; r < n_rows && prologue == PROLOGUE_RMS_NORM; r++) {
+            const float *dr = d != NULL ? d + (m0 + r) * ldd : NULL;
+            scale[r] = swiftkv_add_rms_scale(x + (m0 + r) * ldx, dr, K, eps);
+        }
         for (int64_t k0 = 0; k0 < K; k0 += PACK_CHUNK) {
             const int64_t n = K - k0 < PACK_CHUNK ? K - k0 : PACK_CHUNK;
             for (int64_t r = 0; r < MR; r++) {

@@ -14,9 +14,9 @@ Which one is fastest depends on the GEMM library, the CPU and the row count (one
 faster than the other on one x86 machine and slower on another), so `LinearKernelChooser` times
 them once per weight shape and row bucket (decode batch sizes up to max_num_seqs, then up to the
 prefill chunk max_num_batched_tokens), interleaved, best of a few calls, and caches the timings in
-a JSON file per machine (CPU model and flags, core count, torch threads, torch version). Timings
-taken while another process kept the threads waiting for a core (model/cpu_contention.py) are taken
-again, and are not cached if every try was disturbed: on a Zen 4 EPYC, timings cached during a test run
+a JSON file per machine (CPU model and flags, core count, torch threads, torch version). A case
+timed while another process kept the threads waiting for a core (model/cpu_contention.py) is timed
+again, and not cached if every try was disturbed: on a Zen 4 EPYC, timings cached during a test run
 had picked oneDNN over the panel GEMM for the 16-row lm_head, 1.2x slower there. When the
 model's weights exceed the CPU's largest cache (`cold`), every timed call first reads a buffer twice
 that size, as a step's other layers would: a 16-row product then reads its weight from memory, as
@@ -59,8 +59,9 @@ COPY_WORTH = 1.2
 MIN_SAMPLES, MAX_SAMPLES = 2, 7  # timed calls per kernel and case (the first one included: best-of)
 CASE_BUDGET_S = 0.02  # more samples while the case has taken less than this (all kernels together)
 CACHE_VERSION = 2
-# timings during which the threads waited more than this share of the time for a core (another process
-# was busy: 0.003 alone on a 2-core EPYC, 0.38 beside one busy process) are taken again, and not cached
+# a case (one row bucket, every kernel) during whose timing the threads waited more than this share of
+# the time for a core (another process was busy: 0.003 alone on a 2-core EPYC, 0.3-0.4 beside one busy
+# process) is timed again; its shape is not cached if every try was disturbed
 BUSY_SHARE = 0.1
 MAX_TRIES = 3
 FALLBACK = "linear"  # what a failing forced kernel is replaced by
@@ -365,9 +366,10 @@ class LinearKernelChooser:
         return True
 
     def _times(self, weight, bias, buckets: list[int], layouts) -> dict[int, dict[str, float]]:
-        """{rows: {kernel: best seconds}} for every bucket, measuring the ones the cache lacks. Timings
-        taken while the threads waited for a core (another process busy) are taken again, up to
-        MAX_TRIES in all; the least disturbed are used, and not cached if still disturbed."""
+        """{rows: {kernel: best seconds}} for every bucket, measuring the ones the cache lacks. A case
+        (one bucket, every kernel) timed while the threads waited for a core (another process busy) is
+        timed again, up to MAX_TRIES in all; the least disturbed try is used, and the shape is not
+        cached if that one was disturbed too."""
         names = [k for k in KERNELS if k not in self.failed]
         shape = self._shape_key(weight)
         known = self.times.setdefault(shape, {})
@@ -376,21 +378,21 @@ class LinearKernelChooser:
             names = [k for k in names if self._pack(k, weight, layouts)]
             start = time.perf_counter()
             used = {k: layouts[k] for k in names}
-            best_share, best = math.inf, {}
-            for _ in range(MAX_TRIES):
-                meter = ContentionMeter(self.waited)
-                with torch.inference_mode():
-                    timed = {rows: self._measure(weight, bias, rows, used) for rows in missing}
-                share = meter.share(torch.get_num_threads())
-                share = 0.0 if share is None else share  # unknown (not Linux): taken as undisturbed
-                if share < best_share:
-                    best_share, best = share, timed
-                if share <= BUSY_SHARE:
-                    break
-            known.update(best)
+            for rows in missing:
+                best_share = math.inf
+                for _ in range(MAX_TRIES):
+                    meter = ContentionMeter(self.waited)
+                    with torch.inference_mode():
+                        timed = self._measure(weight, bias, rows, used)
+                    share = meter.share(torch.get_num_threads())
+                    share = 0.0 if share is None else share  # unknown (not Linux): taken as undisturbed
+                    if share < best_share:
+                        best_share, known[rows] = share, timed
+                    if share <= BUSY_SHARE:
+                        break
+                if best_share > BUSY_SHARE:
+                    self.busy[shape] = max(best_share, self.busy.get(shape, 0.0))
             self._timed_shapes.add(shape)
-            if best_share > BUSY_SHARE:
-                self.busy[shape] = max(best_share, self.busy.get(shape, 0.0))
             self.timed_seconds += time.perf_counter() - start
             self.timed_cases += len(missing)
         return {b: {k: known[b][k] for k in names} for b in buckets}

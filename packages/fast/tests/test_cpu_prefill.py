@@ -46,12 +46,15 @@ LENGTHS = [
 )
 @pytest.mark.parametrize("window", [None, 1, 7, 100])
 @pytest.mark.parametrize("lengths", LENGTHS, ids=lambda c: str(c[0]))
-def test_kernel_matches_naive_attention(heads, kv_heads, dim, block_size, window, lengths):
+@pytest.mark.parametrize("avx512", [True, False], ids=["avx512", "8-lane"])
+def test_kernel_matches_naive_attention(heads, kv_heads, dim, block_size, window, lengths, avx512):
+    """Both register blocks (16 rows x 16 lanes where the compiler targets AVX-512, else the 6 x 2 x 8
+    of AVX2; avx512=False forces the latter) against the naive attention."""
     q_lens, kv_lens = lengths
     q, k, v, cu, lens, tables = prompt_case(
         0, heads=heads, kv_heads=kv_heads, dim=dim, block_size=block_size, q_lens=q_lens, kv_lens=kv_lens
     )
-    got = cpu_prefill.prefill_attention(q, k, v, cu, lens, tables, window, 0.3)
+    got = cpu_prefill.prefill_attention(q, k, v, cu, lens, tables, window, 0.3, avx512=avx512)
     want = naive_prefill(q, k, v, q_lens, kv_lens, tables, window, 0.3)
     # outputs are convex combinations of N(0, 1) values (|out| < 5): 2e-5 is ~40 fp32 ulps
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)

@@ -178,7 +178,32 @@ def test_argmax_rows_equals_torch_argmax_with_ties_nan_and_inf(rows, vocab):
     assert torch.equal(cpu_ops.argmax_rows(x), x.argmax(dim=-1))
 
 
+@needs_compiler
+@pytest.mark.parametrize("rows, vocab", [(1, 1), (3, 7), (16, 49152), (2, cpu_ops.PARALLEL_MIN + 5)])
+def test_argmax_logsumexp_rows_equals_torch(rows, vocab):
+    """The argmax as argmax_rows; the logsumexp as torch's within fp32 rounding, NaN where torch's
+    log_softmax is NaN (a NaN, an all -inf row, a +inf), finite with some -inf (banned) ids."""
+    g = torch.Generator().manual_seed(rows + vocab)
+    x = (torch.randn(rows, 2 * vocab, generator=g) * 4)[:, :vocab]  # strided rows
+    tokens, lse = cpu_ops.argmax_logsumexp_rows(x)
+    assert torch.equal(tokens, x.argmax(dim=-1))
+    torch.testing.assert_close(lse, x.logsumexp(dim=-1), rtol=1e-6, atol=1e-5)
+    if vocab < 7:
+        return
+    x = x.clone()
+    x[0, 1:] = float("-inf")  # one id left: logsumexp = its logit
+    x[-1, 3] = float("nan")
+    x[rows // 2, 2] = float("inf") if rows > 2 else x[rows // 2, 2]
+    tokens, lse = cpu_ops.argmax_logsumexp_rows(x)
+    assert torch.equal(tokens, x.argmax(dim=-1))
+    want = x.logsumexp(dim=-1)
+    want[torch.log_softmax(x, dim=-1).isnan().all(dim=-1)] = float("nan")  # torch: logsumexp(+inf) = inf
+    torch.testing.assert_close(lse, want, rtol=1e-6, atol=1e-5, equal_nan=True)
+    assert float(lse[0]) == float(x[0, 0]) or rows == 1
+
+
 def test_argmax_rows_leaves_other_inputs_to_torch():
-    assert cpu_ops.argmax_rows(torch.randn(2, 5, dtype=torch.float64)) is None
-    assert cpu_ops.argmax_rows(torch.randn(5)) is None
-    assert cpu_ops.argmax_rows(torch.randn(3, 4).t()) is None
+    for fn in (cpu_ops.argmax_rows, cpu_ops.argmax_logsumexp_rows):
+        assert fn(torch.randn(2, 5, dtype=torch.float64)) is None
+        assert fn(torch.randn(5)) is None
+        assert fn(torch.randn(3, 4).t()) is None

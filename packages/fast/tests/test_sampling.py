@@ -40,6 +40,35 @@ def test_sampler_rows_equal_reference():
             assert torch.equal(g.get_state(), rg.get_state())
 
 
+@pytest.mark.parametrize("banned", [None, [[1, 7], [], [0]]], ids=["unmasked", "banned"])
+def test_chosen_logprobs_without_the_full_log_softmax(banned):
+    """full_logprobs=False: the same tokens, generator draws and chosen logprobs (log_softmax of the raw
+    logits at each token, within fp32 rounding) as with the whole (B, vocab) log_softmax, which is then
+    not returned; a mask changes the choice, never the reported logprob."""
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(0)) * 3
+    logits[2, 0] = 50.0  # row 2's greedy choice is banned in the masked case
+    greedy = SamplingParams(temperature=0)
+    params = [greedy, SamplingParams(temperature=0.8, seed=1), greedy]
+    results = []
+    for full in (True, False):
+        gens = [None, torch.Generator().manual_seed(5), None]
+        results.append(sample(logits, params, gens, banned, full_logprobs=full))
+    with_full, without = results
+    assert without.logprobs is None and with_full.logprobs is not None
+    assert without.token_ids == with_full.token_ids
+    want = torch.log_softmax(logits, dim=-1)[torch.arange(3), torch.tensor(with_full.token_ids)]
+    assert with_full.chosen_logprobs == want.tolist()
+    assert without.chosen_logprobs == pytest.approx(want.tolist(), rel=1e-6, abs=1e-5)
+    if banned:
+        assert with_full.token_ids[2] != 0
+
+
+def test_top_logprobs_need_the_full_log_softmax():
+    with pytest.raises(ValueError, match="did not compute them"):
+        top_logprobs(None, [0], [2])
+    assert top_logprobs(None, [0, 1], [None, None]) == [None, None]
+
+
 def test_top_logprobs():
     logprobs = torch.log_softmax(torch.tensor([[0.0, 3.0, 1.0, 2.0]]), dim=-1)
     (entry,) = top_logprobs(logprobs, [0], [2])

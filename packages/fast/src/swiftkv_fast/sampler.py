@@ -21,7 +21,8 @@ from swiftkv_fast.sampling_params import SamplingParams
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: torch.Tensor  # (B, vocab) fp32 log_softmax of the raw logits
+    chosen_logprobs: list[float]  # per row: log_softmax(raw logits)[its token]
+    logprobs: torch.Tensor | None  # (B, vocab) fp32 log_softmax of the raw logits; None unless asked for
 
 
 def _apply_top_k(x: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -66,16 +67,30 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     banned: list[list[int]] | None = None,
+    *,
+    full_logprobs: bool = True,
 ) -> SamplerOutput:
     """logits: (B, vocab) fp32 rows on CPU; generators[i] is required for non-greedy rows.
 
     banned[i] (optional): token ids row i must not produce (see `engine.stop.min_tokens_banned_ids`);
     their logits are -inf for the choice (greedy, top-k, top-p and the exponential race all see the
-    masked row), while the returned logprobs stay log_softmax of the raw logits."""
-    logits = logits.float()
-    logprobs = torch.log_softmax(logits, dim=-1)
-    logits = _mask_banned(logits, banned)
-    tokens = _argmax(logits)
+    masked row), while the returned logprobs stay log_softmax of the raw logits.
+    full_logprobs=False: no (B, vocab) logprobs (None), only each row's chosen one, as its logit minus
+    the row's logsumexp (equal to log_softmax's up to fp32 rounding); without a mask the argmax and
+    the logsumexp come from one kernel's passes over each row (kernels/cpu_ops.py)."""
+    raw = logits.float()
+    logprobs, logsumexp, tokens = None, None, None
+    if full_logprobs:
+        logprobs = torch.log_softmax(raw, dim=-1)
+    logits = _mask_banned(raw, banned)
+    if not full_logprobs:
+        fused = cpu_ops.argmax_logsumexp_rows(raw) if logits is raw else None
+        if fused is not None:
+            tokens, logsumexp = fused
+        else:
+            logsumexp = torch.logsumexp(raw, dim=-1)
+    if tokens is None:
+        tokens = _argmax(logits)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         sel = torch.tensor(rows)
@@ -95,17 +110,24 @@ def sample(
             [torch.empty_like(probs[j]).exponential_(generator=generators[i]) for j, i in enumerate(rows)]
         )
         tokens[sel] = (probs / q).argmax(dim=-1)
-    return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
+    if logprobs is not None:
+        chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    else:
+        chosen = raw.gather(1, tokens[:, None])[:, 0] - logsumexp
+    return SamplerOutput(token_ids=tokens.tolist(), chosen_logprobs=chosen.tolist(), logprobs=logprobs)
 
 
 def top_logprobs(
-    logprobs: torch.Tensor, token_ids: list[int], nums: list[int | None]
+    logprobs: torch.Tensor | None, token_ids: list[int], nums: list[int | None]
 ) -> list[dict[int, float] | None]:
-    """Per row: {chosen token: logprob, top-n tokens: logprobs} or None when not requested."""
+    """Per row: {chosen token: logprob, top-n tokens: logprobs} or None when not requested (logprobs
+    may be None only when no row requests any)."""
     out: list[dict[int, float] | None] = [None] * len(nums)
     n_max = max((n for n in nums if n is not None), default=None)
     if n_max is None:
         return out
+    if logprobs is None:
+        raise ValueError("top_logprobs: logprobs were requested, but the sampler did not compute them")
     top = torch.topk(logprobs, n_max, dim=-1) if n_max > 0 else None
     chosen = logprobs.gather(1, torch.tensor(token_ids)[:, None])[:, 0].tolist()
     for i, n in enumerate(nums):

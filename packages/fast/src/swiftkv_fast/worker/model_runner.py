@@ -152,8 +152,11 @@ class ModelRunner:
             return ModelRunnerOutput([], [], [], [], [])
         sampled = [s.request for s in out.scheduled if s.sampled]
         banned = [s.banned_token_ids for s in out.scheduled if s.sampled]
-        result = sample(logits, [r.sampling_params for r in sampled], [r.generator for r in sampled], banned)
-        tops = top_logprobs(result.logprobs, result.token_ids, [r.sampling_params.logprobs for r in sampled])
-        chosen = result.logprobs.gather(1, torch.tensor(result.token_ids)[:, None])[:, 0].tolist()
+        params = [r.sampling_params for r in sampled]
+        nums = [p.logprobs for p in params]
+        full = any(n is not None for n in nums)  # a row's top-n needs the whole log_softmax
+        result = sample(logits, params, [r.generator for r in sampled], banned, full_logprobs=full)
+        tops = top_logprobs(result.logprobs, result.token_ids, nums)
         rows = [row.clone() for row in logits] if self.econf.return_logits else [None] * len(sampled)
-        return ModelRunnerOutput([r.request_id for r in sampled], result.token_ids, chosen, tops, rows)
+        ids = [r.request_id for r in sampled]
+        return ModelRunnerOutput(ids, result.token_ids, result.chosen_logprobs, tops, rows)

@@ -56,3 +56,24 @@ def test_seeded_sampling(impl, model, bench, request):
     actual = submit(bench.runner(impl, model, engine), prompts, sampling, "all")
     expected = bench.expected(model, prompts, sampling)
     print(against_reference(impl, actual, expected, case))
+
+
+@pytest.mark.parametrize("model", ["swiftkv-half", "hybrid-acrosskv-window"])
+def test_without_logprobs(impl, model, bench, request):
+    """Requests that ask for no logprobs: the engine's sampler then skips the (B, vocab) log_softmax
+    (greedy rows take the argmax and logsumexp of one kernel on CPU). The tokens still equal the
+    reference's, greedy and seeded; the comparison's top-n come from the returned logits rows."""
+    if impl.interpreted:
+        pytest.skip(f"{impl.name} under the Triton interpreter: the sampler is backend-independent")
+    engine = impl.default_engine()
+    config, _ = bench.model(model)
+    prompts = make_prompts(config.vocab_size, (3, 17, 30), seed=13)
+    sampling = [Sampling(max_tokens=5, logprobs=None)] * 2
+    if impl.dtype == torch.float32:  # seeded sampling equals the reference token for token only in fp32
+        sampling.append(Sampling(max_tokens=5, temperature=0.9, top_k=30, seed=4, logprobs=None))
+    else:
+        sampling.append(sampling[0])
+    case = Case(request.node.nodeid, impl, model, engine, "all", prompts, sampling)
+    actual = submit(bench.runner(impl, model, engine), prompts, sampling, "all")
+    expected = bench.expected(model, prompts, sampling)
+    print(against_reference(impl, actual, expected, case))

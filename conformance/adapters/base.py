@@ -68,10 +68,16 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = -1
     seed: int | None = None
-    logprobs: int = 5  # top-n logprobs, needed by the low-precision rule
+    logprobs: int | None = 5  # top-n logprobs, needed by the low-precision rule (None: none asked for)
     ignore_eos: bool = True  # fixed lengths: tiny random models emit EOS by chance
     min_tokens: int = 0  # before this many outputs, EOS is never produced (its logit is masked)
     stop: tuple[str, ...] = ()  # stop strings, searched in the output text (`CharTokenizer`)
+
+    @property
+    def top_n(self) -> int:
+        """How many top logprobs per position the comparison takes: `logprobs`, or the low-precision
+        rule's 5 where the request asks for none (then from the returned logits rows)."""
+        return self.logprobs if self.logprobs is not None else 5
 
 
 @dataclass

@@ -50,8 +50,8 @@ def convert_output(out: RequestOutput, sampling: Sampling) -> Output:
     # one {chosen token, top-n tokens: logprob} per position (SamplingParams.logprobs)
     top = comp.logprobs or None
     chosen = [top[i].get(t, float("nan")) for i, t in enumerate(token_ids)] if top else []
-    if (top is None or any(len(t) < sampling.logprobs for t in top)) and logits is not None:
-        top = top_logprobs_from_logits(logits, sampling.logprobs)
+    if (top is None or any(len(t) < sampling.top_n for t in top)) and logits is not None:
+        top = top_logprobs_from_logits(logits, sampling.top_n)
     return Output(
         token_ids=token_ids,
         logprobs=chosen,

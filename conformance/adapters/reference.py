@@ -102,7 +102,7 @@ def _generate(
             Output(
                 token_ids=list(g.token_ids),
                 logprobs=[float(x) for x in (getattr(g, "logprobs", None) or [])],
-                top_logprobs=top_logprobs_from_logits(logits, s.logprobs) if logits is not None else None,
+                top_logprobs=top_logprobs_from_logits(logits, s.top_n) if logits is not None else None,
                 logits=logits,
                 text=CharTokenizer.for_config(model.config).decode(list(g.token_ids)),
                 finish_reason=getattr(g, "finish_reason", None),
@@ -158,7 +158,7 @@ def _generate_with_stop_rules(
     return Output(
         token_ids=tokens,
         logprobs=[float(logprobs[i, t]) for i, t in enumerate(tokens)],
-        top_logprobs=top_logprobs_from_logits(logits, s.logprobs),
+        top_logprobs=top_logprobs_from_logits(logits, s.top_n),
         logits=logits,
         text=text,
         finish_reason=finish,

@@ -79,18 +79,14 @@ def sample(
     the row's logsumexp (equal to log_softmax's up to fp32 rounding); without a mask the argmax and
     the logsumexp come from one kernel's passes over each row (kernels/cpu_ops.py)."""
     raw = logits.float()
-    logprobs, logsumexp, tokens = None, None, None
-    if full_logprobs:
-        logprobs = torch.log_softmax(raw, dim=-1)
-    logits = _mask_banned(raw, banned)
-    if not full_logprobs:
-        fused = cpu_ops.argmax_logsumexp_rows(raw) if logits is raw else None
-        if fused is not None:
-            tokens, logsumexp = fused
-        else:
-            logsumexp = torch.logsumexp(raw, dim=-1)
-    if tokens is None:
+    logits = _mask_banned(raw, banned)  # raw itself when nothing is banned
+    logprobs = torch.log_softmax(raw, dim=-1) if full_logprobs else None
+    fused = cpu_ops.argmax_logsumexp_rows(raw) if not full_logprobs and logits is raw else None
+    if fused is not None:
+        tokens, logsumexp = fused
+    else:
         tokens = _argmax(logits)
+        logsumexp = None if full_logprobs else torch.logsumexp(raw, dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         sel = torch.tensor(rows)
@@ -110,7 +106,7 @@ def sample(
             [torch.empty_like(probs[j]).exponential_(generator=generators[i]) for j, i in enumerate(rows)]
         )
         tokens[sel] = (probs / q).argmax(dim=-1)
-    if logprobs is not None:
+    if full_logprobs:
         chosen = logprobs.gather(1, tokens[:, None])[:, 0]
     else:
         chosen = raw.gather(1, tokens[:, None])[:, 0] - logsumexp

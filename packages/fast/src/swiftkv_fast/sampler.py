@@ -4,8 +4,10 @@ Per row: logprobs = log_softmax(logits) of the raw logits; then the row's banned
 EOS and stop token ids while it has fewer than min_tokens outputs) are set to -inf; greedy = argmax;
 else x = logits / T, top-k, top-p (stable descending sort, keep while cum - p < top_p),
 probs = softmax(x), token = argmax(probs / q) with q ~ Exp(1) drawn from the request's own CPU
-generator (one draw of vocab_size values per token). With nothing banned this is the reference's
-algorithm exactly; the reported logprobs never see the mask (vLLM's raw logprobs).
+generator (one draw of vocab_size values per token; on CPU kernels/cpu_sample.py runs that race
+without computing every exponential, with the same tokens and generator states). With nothing banned
+this is the reference's algorithm exactly; the reported logprobs never see the mask (vLLM's raw
+logprobs).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from swiftkv_fast.kernels import cpu_ops
+from swiftkv_fast.kernels import cpu_ops, cpu_sample
 from swiftkv_fast.sampling_params import SamplingParams
 
 
@@ -101,11 +103,13 @@ def sample(
         if pr.numel():
             x[pr] = _apply_top_p(x[pr], top_p[pr])
         probs = torch.softmax(x, dim=-1)
-        # NOTE: one generator per request, so the draws are per row
-        q = torch.stack(
-            [torch.empty_like(probs[j]).exponential_(generator=generators[i]) for j, i in enumerate(rows)]
-        )
-        tokens[sel] = (probs / q).argmax(dim=-1)
+        drawn = cpu_sample.exponential_race(probs, [generators[i] for i in rows])
+        if drawn is None:  # the same draws, torch's own: one generator per request, so per row
+            q = torch.stack(
+                [torch.empty_like(probs[j]).exponential_(generator=generators[i]) for j, i in enumerate(rows)]
+            )
+            drawn = (probs / q).argmax(dim=-1)
+        tokens[sel] = drawn
     if full_logprobs:
         chosen = logprobs.gather(1, tokens[:, None])[:, 0]
     else:

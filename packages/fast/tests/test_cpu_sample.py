@@ -1,0 +1,167 @@
+"""The exponential race kernel (kernels/cpu_sample.py) against its specification, torch's own
+`exponential_` draw and argmax: the same tokens and the same generator states afterwards, for
+generators anywhere in the MT19937's block, flat, peaked and masked rows, a NaN row, a draw of exactly
+zero, several threads; the fallback when it cannot run, and the sampler using it."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from swiftkv_fast import SamplingParams
+from swiftkv_fast.kernels import cpu_compile, cpu_sample
+from swiftkv_fast.sampler import sample
+
+needs_kernel = pytest.mark.skipif(
+    cpu_compile.compiler() is None or not cpu_sample.enabled(),
+    reason="no C compiler (or SWIFTKV_CPU_SAMPLE_KERNEL=0): the sampling kernel is off",
+)
+
+
+def generators(num: int, seed: int) -> list[torch.Generator]:
+    """Generators at different places of the MT19937's 624-word block (each int32 random_ is one word)."""
+    rng = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(num):
+        g = torch.Generator().manual_seed(seed * 1000 + i)
+        # fresh (the next draw twists), at the block's last word, one word in, anywhere
+        words = [0, 623, 1][i] if i < 3 else int(torch.randint(0, 2000, (1,), generator=rng))
+        if words:
+            torch.empty(words, dtype=torch.int32).random_(generator=g)
+        out.append(g)
+    return out
+
+
+def clones(gens: list[torch.Generator]) -> list[torch.Generator]:
+    return [cpu_sample._clone(g) for g in gens]
+
+
+def assert_same_as_torch(probs: torch.Tensor, gens: list[torch.Generator]) -> None:
+    mine, theirs = clones(gens), clones(gens)
+    got = cpu_sample.exponential_race(probs, mine)
+    want = cpu_sample._torch_race(probs, theirs)
+    assert got is not None
+    assert got.tolist() == want.tolist()
+    for a, b in zip(mine, theirs):
+        assert torch.equal(a.get_state(), b.get_state())
+        # and they go on alike
+        assert torch.equal(torch.rand(5, generator=a), torch.rand(5, generator=b))
+
+
+@needs_kernel
+@pytest.mark.parametrize("vocab", [1, 2, 2047, 2048, 2049, 49152])
+@pytest.mark.parametrize("scale", [0.01, 1.0, 8.0, 40.0], ids=["flat", "normal", "peaked", "one-hot"])
+def test_race_matches_torch(vocab, scale):
+    rows = 9  # more rows than threads
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab)) * scale
+    assert_same_as_torch(torch.softmax(logits, dim=-1), generators(rows, vocab))
+
+
+@needs_kernel
+def test_race_masked_rows_and_strided_probs():
+    """Zeros from top-k / top-p never win unless every token is zero (then token 0, as argmax), and the
+    rows may lie any stride apart."""
+    vocab = 3000
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(1)) * 2
+    logits[0, 5:] = float("-inf")  # top-k = 5
+    logits[1, ::2] = float("-inf")
+    probs = torch.softmax(logits, dim=-1)
+    probs[2] = 0.0
+    wide = torch.zeros(4, vocab + 17)
+    wide[:, 17:] = probs
+    assert_same_as_torch(wide[:, 17:], generators(4, 2))
+    got = cpu_sample.exponential_race(probs, generators(4, 3))
+    assert got[0] < 5 and got[1] % 2 == 1 and got[2] == 0
+
+
+@needs_kernel
+def test_race_nan_row():
+    """A NaN ratio wins, the first one (torch's argmax); the draw still advances the generator fully."""
+    probs = torch.softmax(torch.randn(3, 500, generator=torch.Generator().manual_seed(4)), dim=-1)
+    probs[0, 123] = float("nan")
+    probs[1] = float("nan")
+    assert_same_as_torch(probs, generators(3, 5))
+
+
+@needs_kernel
+@pytest.mark.parametrize("p_at_zero", [0.5, 0.0], ids=["positive", "zero"])
+def test_race_exact_zero_draw(p_at_zero):
+    """A uniform of exactly 0 (both words 0) gives q = 0: p / 0 = inf wins, and 0 / 0 = NaN wins."""
+    g = torch.Generator().manual_seed(9)
+    torch.empty(10, dtype=torch.int32).random_(generator=g)
+    state = g.get_state().clone()
+    left = int(state[8:12].view(torch.int32))
+    nxt = int(state[16:24].view(torch.int64))
+    assert left > 20  # the next words are in this block: draw 3 reads words next + 6 and next + 7
+    words = state[24 : 24 + 624 * 8].view(torch.int64)
+    words[nxt + 6] = 0  # temper(0) = 0: the output word is 0 too
+    words[nxt + 7] = 0
+    g.set_state(state)
+    probs = torch.full((1, 10), 0.5 / 9)
+    probs[0, 3] = p_at_zero
+    if p_at_zero == 0.0:
+        probs[0, 0] = 0.5 + 0.5 / 9
+    assert_same_as_torch(probs, [g])
+    assert cpu_sample.exponential_race(probs, clones([g])).item() == 3
+
+
+@needs_kernel
+def test_invalid_state_is_refused_untouched():
+    """A state torch's generator cannot be in (left = 0) gets -1 from the C call; the wrapper then
+    returns None and no generator moves."""
+    race = cpu_sample._kernel()
+    state = torch.Generator().manual_seed(1).get_state().clone()
+    state[8:12].view(torch.int32)[0] = 0
+    states = state[None].clone()
+    out = torch.empty(1, dtype=torch.int64)
+    probs = torch.full((1, 4), 0.25)
+    race(probs.data_ptr(), 4, 1, 4, states.data_ptr(), states.stride(0), out.data_ptr(), 1)
+    assert out.item() == -1 and torch.equal(states[0], state)
+
+
+def test_not_applicable_returns_none_untouched():
+    gens = generators(2, 7)
+    before = [g.get_state() for g in gens]
+    probs = torch.softmax(torch.randn(2, 50), dim=-1)
+    assert cpu_sample.exponential_race(probs.double(), gens) is None
+    assert cpu_sample.exponential_race(probs.t().contiguous().t(), gens) is None  # columns not dense
+    assert cpu_sample.exponential_race(probs, gens[:1]) is None
+    assert cpu_sample.exponential_race(probs, [gens[0], None]) is None
+    assert all(torch.equal(g.get_state(), b) for g, b in zip(gens, before))
+
+
+@needs_kernel
+def test_self_check_failure_disables_the_kernel(monkeypatch, caplog):
+    """When torch's draw and the kernel differ (another torch's generator), the kernel is not used."""
+    monkeypatch.setattr(cpu_sample, "_resolved", [])
+    monkeypatch.setattr(cpu_sample, "_torch_race", lambda probs, gens: torch.zeros(probs.shape[0]) - 1)
+    with caplog.at_level(logging.WARNING, logger=cpu_sample.__name__):
+        assert cpu_sample._kernel() is None
+    assert "does not reproduce torch" in caplog.text
+    gens = generators(2, 8)
+    before = [g.get_state() for g in gens]
+    assert cpu_sample.exponential_race(torch.full((2, 3), 1 / 3), gens) is None
+    assert all(torch.equal(g.get_state(), b) for g, b in zip(gens, before))
+
+
+@needs_kernel
+def test_sampler_uses_the_kernel(monkeypatch):
+    """The sampler's sampled rows go through the kernel (in one call), and give what torch's draw gives
+    with the kernel off."""
+    calls = []
+    race = cpu_sample.exponential_race
+    monkeypatch.setattr(cpu_sample, "exponential_race", lambda p, g: calls.append(len(g)) or race(p, g))
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(3)) * 3
+    params = [SamplingParams(temperature=t, seed=i) for i, t in enumerate([0.7, 0.0, 1.0, 1.3])]
+    gens = generators(4, 11)
+    gens[1] = None
+    kernel_gens = [g and cpu_sample._clone(g) for g in gens]
+    torch_gens = [g and cpu_sample._clone(g) for g in gens]
+    with_kernel = sample(logits, params, kernel_gens, full_logprobs=False)
+    assert calls == [3]
+    monkeypatch.setattr(cpu_sample, "_resolved", [None])
+    with_torch = sample(logits, params, torch_gens, full_logprobs=False)
+    assert with_kernel.token_ids == with_torch.token_ids
+    for a, b in zip(kernel_gens, torch_gens):
+        assert a is None or torch.equal(a.get_state(), b.get_state())

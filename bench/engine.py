@@ -89,9 +89,23 @@ class BatchResult:
         }
 
 
-def run_batch(llm, prompts: list[list[int]], max_tokens: int, use_tqdm: bool = False) -> BatchResult:
-    """Greedy generation of exactly `max_tokens` tokens per prompt (EOS ignored)."""
-    outs = llm.generate(prompts, greedy(max_tokens), use_tqdm=use_tqdm)
+def sampled(num: int, max_tokens: int, temperature: float) -> list:
+    """Sampling at `temperature` (no top-k / top-p), request i seeded with i (vLLM's per-request seed),
+    EOS ignored: every request makes exactly `max_tokens` tokens, the same ones every round."""
+    from swiftkv_fast import SamplingParams
+
+    return [
+        SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=i)
+        for i in range(num)
+    ]
+
+
+def run_batch(
+    llm, prompts: list[list[int]], max_tokens: int, use_tqdm: bool = False, temperature: float = 0.0
+) -> BatchResult:
+    """Exactly `max_tokens` tokens per prompt (EOS ignored): greedy, or `sampled` at temperature > 0."""
+    params = greedy(max_tokens) if temperature == 0 else sampled(len(prompts), max_tokens, temperature)
+    outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     result = BatchResult(
         sum(len(o.prompt_token_ids) for o in outs), sum(len(o.outputs[0].token_ids) for o in outs)
     )

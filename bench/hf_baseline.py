@@ -1,6 +1,6 @@
 """The Hugging Face transformers baseline: `generate` (static batch, left padding) and, where the
-installed version has it, `generate_batch` (continuous batching). Greedy, fp32, EOS ignored, the
-same token-id prompts and the same weights as the engine."""
+installed version has it, `generate_batch` (continuous batching). Greedy (or sampled at a temperature),
+fp32, EOS ignored, the same token-id prompts and the same weights as the engine."""
 
 from __future__ import annotations
 
@@ -39,7 +39,17 @@ class _StepClock:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def generate(model, prompts: list[list[int]], max_new_tokens: int, pad_token_id: int = 0) -> BatchResult:
+def sampling_kwargs(temperature: float) -> dict:
+    """generate's sampling settings: greedy at 0, else plain sampling at `temperature` (top-k and top-p
+    off, whatever the checkpoint's generation_config says), as bench/engine.py's `sampled`."""
+    if temperature == 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+
+
+def generate(
+    model, prompts: list[list[int]], max_new_tokens: int, pad_token_id: int = 0, temperature: float = 0.0
+) -> BatchResult:
     """One `model.generate` call on the whole batch, left-padded. Every request's first token comes
     after the batch's prefill, so TTFT is that time for all; TPOT is the mean step time after it."""
     from transformers import StoppingCriteriaList
@@ -56,11 +66,11 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, pad_token_id:
         out = model.generate(
             input_ids=ids,
             attention_mask=mask,
-            do_sample=False,
             max_new_tokens=max_new_tokens,
             min_new_tokens=max_new_tokens,
             pad_token_id=pad_token_id,
             stopping_criteria=StoppingCriteriaList([clock]),
+            **sampling_kwargs(temperature),
         )
     new_tokens = out.shape[1] - width
     ttft = clock.times[0] - start
@@ -71,7 +81,9 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, pad_token_id:
     return result
 
 
-def generate_batch(model, prompts: list[list[int]], max_new_tokens: int) -> BatchResult:
+def generate_batch(
+    model, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0
+) -> BatchResult:
     """transformers' continuous batching (`generate_batch`), with per-token timestamps."""
     from transformers import GenerationConfig
     from transformers.generation import ContinuousBatchingConfig
@@ -80,7 +92,9 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int) -> Batc
     page = 256
     blocks = sum(-(-(len(p) + max_new_tokens) // page) for p in prompts) + 1
     cb_config = ContinuousBatchingConfig(page_size=page, num_blocks=blocks, allow_block_sharing=False)
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, eos_token_id=-1, pad_token_id=0, **sampling_kwargs(temperature)
+    )
     extra = {}
     if "warmup" in inspect.signature(model.generate_batch).parameters:
         extra["warmup"] = False  # it captures CUDA graphs; nothing to capture on CPU, ~10 s lost

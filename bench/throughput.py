@@ -1,4 +1,4 @@
-"""The fast engine against Hugging Face transformers on the same model, prompts and greedy settings.
+"""The fast engine against Hugging Face transformers on the same model, prompts and sampling settings.
 
 Systems: the fast engine with SwiftKV off (L = N) and on (L = N/2), transformers' `generate` (one
 static batch, left padding) and `generate_batch` (its continuous batching, where installed), all
@@ -14,6 +14,10 @@ Mixes (request count x prompt length -> output length):
 "~" lengths are drawn uniformly within +-25% (so static batching pays its padding). Keys follow
 vLLM's `bench throughput` (requests_per_second, tokens_per_second, output_tokens_per_second) and
 `bench latency` (mean/median/p99 of ttft_ms and tpot_ms, pooled over rounds).
+
+`--temperature T` samples instead of decoding greedily: every system at temperature T, no top-k or
+top-p, the engine's requests seeded one by one (vLLM's per-request `seed`, drawn the way the reference
+draws: kernels/cpu_sample.py), transformers with `do_sample=True`. The GEMM floor does not sample.
 
 `--profile`: after the timed rounds, one more run of each engine system (fast-off, fast-on) with
 timers around its linear layers and attention calls (bench/step_profile.py), reported as the share
@@ -57,10 +61,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mixes", type=lambda s: s.split(","), help=f"comma-separated, from {list(MIXES)}")
     parser.add_argument("--systems", type=lambda s: s.split(","), help=f"comma-separated, from {SYSTEMS}")
     parser.add_argument(
+        "--temperature",
+        type=_temperature,
+        default=0.0,
+        help="sample at this temperature (seeded per request) instead of greedy decoding (default 0: greedy)",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="one more run of each engine system, timing its linear layers, attention and the rest per step",
     )
+
+
+def _temperature(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"--temperature must be a finite number >= 0, got {text}")
+    return value
 
 
 def mix_prompts(mix: tuple, vocab_size: int, seed: int) -> tuple[list[list[int]], int]:
@@ -80,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     repeat = args.repeat or 3
     warmup = 1 if args.warmup is None else args.warmup
 
-    runners = _systems(systems)
+    runners = _systems(systems, args.temperature)
     peak = gemm_floor.peak_gflops() if runners.floor_llms else {}
     fma_peak = gemm_floor.fma_peak_gflops() if runners.floor_llms else None
     tables, rows = [], []
@@ -114,11 +131,12 @@ def run(args: argparse.Namespace) -> int:
                     [x.metrics["output_tokens"] / x.seconds for x in base],
                 )
         rows += mix_rows
-        tables.append(_table(name, table_of[name], mix_rows, repeat, peak, fma_peak))
+        tables.append(_table(name, table_of[name], mix_rows, repeat, peak, fma_peak, args.temperature))
         if args.profile:
             for row in mix_rows:
                 if row["system"] in runners.llms:
-                    row["step_profile"] = profile_run(runners.llms[row["system"]], prompts, output_len)
+                    llm = runners.llms[row["system"]]
+                    row["step_profile"] = profile_run(llm, prompts, output_len, args.temperature)
             tables.append(_profile_table(name, mix_rows))
     settings = {
         "mixes": {
@@ -130,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
         "warmup": warmup,
         "num_key_value_layers_on": runners.on_layers,
         "dtype": "float32",
+        "temperature": args.temperature,
         "seed": args.seed,
         "profile": args.profile,
         "peak_gemm_gflops": peak,
@@ -144,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
 class _Systems:
     """Builds each system once; `get(name)` -> a function(prompts, output_len) -> BatchResult."""
 
-    def __init__(self, wanted: list[str]) -> None:
+    def __init__(self, wanted: list[str], temperature: float) -> None:
         self.skipped: dict[str, str] = {}
         self.fns: dict[str, Callable] = {}
         self.llms: dict[str, Any] = {}  # the engine systems' LLMs (what --profile instruments)
@@ -153,7 +172,7 @@ class _Systems:
         self.vocab_size = off.config.vocab_size
         self.on_layers = off.config.num_hidden_layers // 2
         if "fast-off" in wanted:
-            self.fns["fast-off"] = lambda p, n: engine.run_batch(off, p, n)
+            self.fns["fast-off"] = lambda p, n: engine.run_batch(off, p, n, temperature=temperature)
             self.llms["fast-off"] = off
         if "gemm-floor-off" in wanted:
             self.fns["gemm-floor-off"] = lambda p, n: gemm_floor.run(off, p, n)
@@ -161,7 +180,7 @@ class _Systems:
         if {"fast-on", "gemm-floor-on"} & set(wanted):
             on = engine.build_llm(self.on_layers)
             if "fast-on" in wanted:
-                self.fns["fast-on"] = lambda p, n: engine.run_batch(on, p, n)
+                self.fns["fast-on"] = lambda p, n: engine.run_batch(on, p, n, temperature=temperature)
                 self.llms["fast-on"] = on
             if "gemm-floor-on" in wanted:
                 self.fns["gemm-floor-on"] = lambda p, n: gemm_floor.run(on, p, n)
@@ -171,10 +190,14 @@ class _Systems:
 
             model = hf_baseline.load_model(default_model_dir())
             if "hf-generate" in wanted:
-                self.fns["hf-generate"] = lambda p, n: hf_baseline.generate(model, p, n)
+                self.fns["hf-generate"] = lambda p, n: hf_baseline.generate(
+                    model, p, n, temperature=temperature
+                )
             if "hf-generate-batch" in wanted:
                 if hf_baseline.has_generate_batch(model):
-                    self.fns["hf-generate-batch"] = lambda p, n: hf_baseline.generate_batch(model, p, n)
+                    self.fns["hf-generate-batch"] = lambda p, n: hf_baseline.generate_batch(
+                        model, p, n, temperature=temperature
+                    )
                 else:
                     self.skipped["hf-generate-batch"] = "this transformers has no generate_batch"
         for name, why in self.skipped.items():
@@ -185,11 +208,11 @@ class _Systems:
         return self.fns[name]
 
 
-def _systems(wanted: list[str]) -> _Systems:
+def _systems(wanted: list[str], temperature: float = 0.0) -> _Systems:
     unknown = set(wanted) - set(SYSTEMS)
     if unknown:
         raise SystemExit(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
-    return _Systems(wanted)
+    return _Systems(wanted, temperature)
 
 
 def _case(fn, prompts, output_len):
@@ -199,11 +222,11 @@ def _case(fn, prompts, output_len):
     return call
 
 
-def profile_run(llm, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
+def profile_run(llm, prompts: list[list[int]], output_len: int, temperature: float = 0.0) -> dict[str, Any]:
     """One run of the workload with step timers (bench/step_profile.py): StepProfile.summary()."""
     with step_profile.profiled(llm) as prof:
         start = time.perf_counter()
-        engine.run_batch(llm, prompts, output_len)
+        engine.run_batch(llm, prompts, output_len, temperature=temperature)
         wall = time.perf_counter() - start
     return prof.summary(wall)
 
@@ -267,13 +290,20 @@ def summarize(mix: str, system: str, samples: list[Sample]) -> dict:
 
 
 def _table(
-    name: str, mix: tuple, rows: list[dict], repeat: int, peak: dict[str, float], fma_peak: float | None
+    name: str,
+    mix: tuple,
+    rows: list[dict],
+    repeat: int,
+    peak: dict[str, float],
+    fma_peak: float | None,
+    temperature: float = 0.0,
 ) -> report.Table:
     num, mean_len, output_len, jitter = mix
     length = f"~{mean_len}" if jitter else str(mean_len)
+    decoding = "greedy" if temperature == 0 else f"sampled at temperature {temperature:g}"
     t = report.Table(
         f"Throughput, mix {name}: {num} requests x {length} prompt tokens -> {output_len} output tokens, "
-        f"fp32, {repeat} round(s)",
+        f"fp32, {decoding}, {repeat} round(s)",
         [
             "system",
             "req/s",

@@ -96,3 +96,44 @@ def test_throughput_quick_profile_reports_shares(monkeypatch, tmp_path, capsys):
         prof = rows[system]["step_profile"]
         assert_shares(prof["all"], 8)  # quick issue4: 4 x 64 prompt tokens -> 8 tokens each
         assert_shares(prof["decode"], 7)
+
+
+def test_throughput_quick_sampled(monkeypatch, tmp_path, capsys):
+    """--temperature: the engine samples (seeded per request, so every round makes the same tokens),
+    transformers gets do_sample at the same temperature with top-k / top-p off; a bad value is refused."""
+    from bench import hf_baseline, throughput
+
+    build = engine.build_llm
+    llms = []
+
+    def build_tiny(L=None, **kw):
+        llms.append(tiny_llm(L, build=build))
+        return llms[-1]
+
+    monkeypatch.setattr(engine, "build_llm", build_tiny)
+    monkeypatch.setattr(throughput, "plot", lambda rows, mixes, systems, out: out / "throughput.png")
+    argv = ["throughput", "--quick", "--temperature", "0.7", "--systems", "fast-off", "--mixes", "issue4"]
+    assert main([*argv, "--warmup", "0", "--out", str(tmp_path)]) == 0
+    assert "sampled at temperature 0.7" in capsys.readouterr().out
+    data = json.loads((tmp_path / "throughput.json").read_text())
+    assert data["settings"]["temperature"] == 0.7
+    llm, seen = llms[0], []
+    generate = llm.generate
+    monkeypatch.setattr(
+        llm, "generate", lambda prompts, params, **kw: seen.append(params) or generate(prompts, params, **kw)
+    )
+    prompts = engine.random_prompts(4, 12, llm.config.vocab_size)
+    engine.run_batch(llm, prompts, 6, temperature=5.0)
+    assert [(p.temperature, p.seed, p.max_tokens, p.ignore_eos) for p in seen[-1]] == [
+        (5.0, i, 6, True) for i in range(4)
+    ]
+    tokens = [[o.outputs[0].token_ids for o in generate(prompts, params)] for params in (seen[-1], seen[-1])]
+    assert tokens[0] == tokens[1]  # seeded: the same tokens every round
+    assert tokens[0] != [o.outputs[0].token_ids for o in generate(prompts, engine.greedy(6))]
+    assert [p.seed for p in engine.sampled(3, 5, 0.7)] == [0, 1, 2]
+    assert hf_baseline.sampling_kwargs(0.0) == {"do_sample": False}
+    sampling = {"do_sample": True, "temperature": 0.7, "top_k": 0, "top_p": 1.0}
+    assert hf_baseline.sampling_kwargs(0.7) == sampling
+    for bad in ("-1", "nan", "inf"):
+        with pytest.raises(SystemExit):
+            main(["throughput", "--quick", "--temperature", bad, "--out", str(tmp_path)])

@@ -110,3 +110,35 @@ def test_unseeded_requests_follow_engine_seed(tiny):
     ]
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 64, 65, 300, 5000])
+def test_top_p_equals_the_reference_full_sort(vocab):
+    """`_apply_top_p` sorts only the kept prefix; it must drop exactly what the reference's full stable
+    sort drops: flat rows (a nucleus far past the first candidates, so the prefix grows to the whole
+    row), peaked rows, runs of equal probabilities cut in the middle (the lowest ids kept), top-k's
+    -inf entries, a NaN row and an all -inf row (nothing dropped), top_p near 0 and near 1."""
+    from swiftkv_fast.sampler import _apply_top_p
+    from swiftkv_reference.sampling import apply_top_k_top_p
+
+    g = torch.Generator().manual_seed(vocab)
+    rows = [torch.randn(vocab, generator=g) * s for s in (0.01, 0.3, 1.0, 3.0, 10.0)]
+    rows.append(torch.randint(0, 3, (vocab,), generator=g).float())  # long runs of ties
+    rows.append(torch.zeros(vocab))  # one run: every token tied
+    masked = torch.randn(vocab, generator=g)
+    masked[::2] = float("-inf")
+    masked[0] = 1.0
+    rows.append(masked)
+    nan = torch.randn(vocab, generator=g)
+    nan[vocab // 2] = float("nan")
+    rows.append(nan)
+    rows.append(torch.full((vocab,), float("-inf")))
+    x = torch.stack(rows)
+    for top_p in (1e-6, 0.3, 0.5, 0.9, 0.95, 0.9999):
+        tp = torch.full((x.shape[0],), top_p)
+        got = _apply_top_p(x, tp)
+        want = torch.stack([apply_top_k_top_p(row, 0, top_p) for row in x])
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    mixed = torch.tensor([0.2, 0.7, 0.95] * 4)[: x.shape[0]]  # each row its own top_p
+    want = torch.stack([apply_top_k_top_p(row, 0, float(p)) for row, p in zip(x, mixed)])
+    torch.testing.assert_close(_apply_top_p(x, mixed), want, rtol=0, atol=0, equal_nan=True)

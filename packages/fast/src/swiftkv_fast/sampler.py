@@ -2,7 +2,8 @@
 
 Per row: logprobs = log_softmax(logits) of the raw logits; then the row's banned ids (min_tokens: its
 EOS and stop token ids while it has fewer than min_tokens outputs) are set to -inf; greedy = argmax;
-else x = logits / T, top-k, top-p (stable descending sort, keep while cum - p < top_p),
+else x = logits / T, top-k, top-p (stable descending sort, keep while cum - p < top_p; `_apply_top_p`
+sorts only the kept prefix),
 probs = softmax(x), token = argmax(probs / q) with q ~ Exp(1) drawn from the request's own CPU
 generator (one draw of vocab_size values per token; on CPU kernels/cpu_sample.py runs that race
 without computing every exponential, with the same tokens and generator states). With nothing banned
@@ -34,15 +35,42 @@ def _apply_top_k(x: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     return x.masked_fill(x < kth, float("-inf"))
 
 
+# the sorted prefix top-p looks at first, x4 while a row's cut lies beyond it: the embedded model's
+# nucleus at temperature 0.7 held 2-3 tokens (median), 37 / 69 (99th percentile) at top_p 0.9 / 0.95
+TOP_P_CANDIDATES = 64
+
+
 def _apply_top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    # x: (B, V); top_p: (B,) in (0, 1)
+    """x (B, V) with the reference's top-p drop (sampling.py step 5) set to -inf; top_p: (B,) in (0, 1).
+
+    The reference sorts each row's probabilities (descending, stable) and drops sorted position i when
+    cum_i - p_i >= top_p. Along the sorted order cum_i - p_i never decreases, so the kept tokens are a
+    prefix of it, and only that prefix has to be sorted: topk of TOP_P_CANDIDATES (x4 until every row's
+    first dropped position lies inside) gives the same leading values and the same cumulative sums (the
+    cumsum of a prefix is the prefix of the cumsum). With m tokens kept and the m-th largest value c,
+    the kept set is every token above c and, of those equal to c, the lowest ids (the stable sort's
+    order). A full sort of 16 x 49,152 probabilities took ~38 ms on a 2-core AMD EPYC Zen 4, topk of 64
+    ~1 ms. A row with a NaN (every softmax entry then is) drops nothing, as in the reference."""
     probs = torch.softmax(x, dim=-1)
-    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    cum = torch.cumsum(sorted_p, dim=-1)
-    drop_sorted = (cum - sorted_p) >= top_p[:, None]
-    drop_sorted[:, 0] = False
-    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
-    return x.masked_fill(drop, float("-inf"))
+    vocab = probs.shape[-1]
+    nan_rows = probs.sum(-1).isnan()  # (B,)
+    k = min(vocab, TOP_P_CANDIDATES)
+    while True:
+        values = torch.topk(probs, k, dim=-1).values  # (B, k), descending
+        cum = torch.cumsum(values, dim=-1)
+        drop = (cum - values) >= top_p[:, None]
+        drop[:, 0] = False
+        if k == vocab or bool((drop[:, -1] | nan_rows).all()):
+            break
+        k = min(vocab, 4 * k)
+    num_kept = (~drop).sum(-1, keepdim=True)  # (B, 1)
+    cut = values.gather(1, num_kept - 1)  # (B, 1): the smallest kept probability
+    keep = probs >= cut
+    if bool((keep.sum(-1, keepdim=True) > num_kept).any()):  # a run of ties crosses the cut somewhere
+        above, tied = probs > cut, probs == cut
+        keep = above | (tied & (tied.cumsum(-1) <= num_kept - above.sum(-1, keepdim=True)))
+    keep |= (nan_rows | (num_kept[:, 0] == vocab))[:, None]
+    return x.masked_fill(~keep, float("-inf"))
 
 
 def _mask_banned(logits: torch.Tensor, banned: list[list[int]] | None) -> torch.Tensor:

@@ -165,3 +165,21 @@ def test_sampler_uses_the_kernel(monkeypatch):
     assert with_kernel.token_ids == with_torch.token_ids
     for a, b in zip(kernel_gens, torch_gens):
         assert a is None or torch.equal(a.get_state(), b.get_state())
+
+
+@needs_kernel
+@pytest.mark.parametrize("vocab", [1, 3, 64, 1000])
+def test_topk_values_match_torch(vocab):
+    """The heap pass gives torch.topk's values, descending: ties, -inf entries, k = 1 to V, rows any
+    stride apart; what it does not take (not fp32 rows, k out of range) is None."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.cat([torch.randn(3, vocab, generator=g), torch.randint(0, 3, (2, vocab), generator=g).float()])
+    x[0, ::2] = float("-inf")
+    wide = torch.zeros(5, vocab + 3)
+    wide[:, 3:] = x
+    for k in sorted({1, min(2, vocab), min(64, vocab), vocab}):
+        want = torch.topk(x, k, dim=-1).values
+        assert torch.equal(cpu_sample.topk_values(x, k), want)
+        assert torch.equal(cpu_sample.topk_values(wide[:, 3:], k), want)
+    assert cpu_sample.topk_values(x.double(), 1) is None
+    assert cpu_sample.topk_values(x, 0) is None and cpu_sample.topk_values(x, vocab + 1) is None

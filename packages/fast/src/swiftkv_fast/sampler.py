@@ -35,9 +35,20 @@ def _apply_top_k(x: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     return x.masked_fill(x < kth, float("-inf"))
 
 
-# the sorted prefix top-p looks at first, x4 while a row's cut lies beyond it: the embedded model's
-# nucleus at temperature 0.7 held 2-3 tokens (median), 37 / 69 (99th percentile) at top_p 0.9 / 0.95
+# the sorted prefix top-p looks at first, x4 for the rows whose cut lies beyond it, up to the last
+# size before a row is sorted whole: the embedded model's nucleus at temperature 0.7 on chat prompts
+# held 2-3 tokens (median), 37 / 69 (99th percentile) at top_p 0.9 / 0.95; after random-token prompts
+# (the benchmarks') a row's nucleus can hold thousands
 TOP_P_CANDIDATES = 64
+TOP_P_MAX_CANDIDATES = 1024
+
+
+def _sorted_prefix(probs: torch.Tensor, k: int) -> torch.Tensor:
+    """(B, k): the k largest values of each row of probs (B, V) without NaN, descending."""
+    if k == probs.shape[-1]:
+        return torch.sort(probs, dim=-1, descending=True).values
+    values = cpu_sample.topk_values(probs, k)
+    return values if values is not None else torch.topk(probs, k, dim=-1).values
 
 
 def _apply_top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -45,31 +56,36 @@ def _apply_top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
     The reference sorts each row's probabilities (descending, stable) and drops sorted position i when
     cum_i - p_i >= top_p. Along the sorted order cum_i - p_i never decreases, so the kept tokens are a
-    prefix of it, and only that prefix has to be sorted: topk of TOP_P_CANDIDATES (x4 until every row's
-    first dropped position lies inside) gives the same leading values and the same cumulative sums (the
-    cumsum of a prefix is the prefix of the cumsum). With m tokens kept and the m-th largest value c,
-    the kept set is every token above c and, of those equal to c, the lowest ids (the stable sort's
-    order). A full sort of 16 x 49,152 probabilities took ~38 ms on a 2-core AMD EPYC Zen 4, topk of 64
-    ~1 ms. A row with a NaN (every softmax entry then is) drops nothing, as in the reference."""
+    prefix of it, and only that prefix has to be sorted: the TOP_P_CANDIDATES largest values (x4 for
+    the rows whose first dropped position lies beyond them, a whole sort past TOP_P_MAX_CANDIDATES)
+    are the sorted prefix, with the same cumulative sums (the cumsum of a prefix is the prefix of the
+    cumsum). With m tokens kept and the m-th largest value c, the kept set is every token above c and,
+    of those equal to c, the lowest ids (the stable sort's order). A full sort of 16 x 49,152
+    probabilities took ~38 ms on a 2-core AMD EPYC Zen 4, the top 64 (kernels/cpu_sample.py) ~0.5 ms.
+    A row with a NaN (every softmax entry then is) drops nothing, as in the reference."""
     probs = torch.softmax(x, dim=-1)
-    vocab = probs.shape[-1]
+    batch, vocab = probs.shape
     nan_rows = probs.sum(-1).isnan()  # (B,)
+    num_kept = torch.full((batch, 1), vocab, dtype=torch.int64)  # NaN rows: every token
+    cut = torch.zeros(batch, 1, dtype=probs.dtype)  # (B, 1): the smallest kept probability
+    todo = (~nan_rows).nonzero().squeeze(1)
     k = min(vocab, TOP_P_CANDIDATES)
-    while True:
-        values = torch.topk(probs, k, dim=-1).values  # (B, k), descending
+    while todo.numel():
+        values = _sorted_prefix(probs[todo], k)  # (n, k)
         cum = torch.cumsum(values, dim=-1)
-        drop = (cum - values) >= top_p[:, None]
+        drop = (cum - values) >= top_p[todo, None]
         drop[:, 0] = False
-        if k == vocab or bool((drop[:, -1] | nan_rows).all()):
-            break
-        k = min(vocab, 4 * k)
-    num_kept = (~drop).sum(-1, keepdim=True)  # (B, 1)
-    cut = values.gather(1, num_kept - 1)  # (B, 1): the smallest kept probability
+        done = drop[:, -1] | (k == vocab)
+        kept = (~drop[done]).sum(-1, keepdim=True)
+        num_kept[todo[done]] = kept
+        cut[todo[done]] = values[done].gather(1, kept - 1)
+        todo = todo[~done]
+        k = min(vocab, 4 * k) if 4 * k <= TOP_P_MAX_CANDIDATES else vocab
     keep = probs >= cut
     if bool((keep.sum(-1, keepdim=True) > num_kept).any()):  # a run of ties crosses the cut somewhere
         above, tied = probs > cut, probs == cut
         keep = above | (tied & (tied.cumsum(-1) <= num_kept - above.sum(-1, keepdim=True)))
-    keep |= (nan_rows | (num_kept[:, 0] == vocab))[:, None]
+    keep |= (num_kept == vocab)
     return x.masked_fill(~keep, float("-inf"))
 
 

@@ -40,7 +40,7 @@ def clones(gens: list[torch.Generator]) -> list[torch.Generator]:
 def assert_same_as_torch(probs: torch.Tensor, gens: list[torch.Generator]) -> None:
     mine, theirs = clones(gens), clones(gens)
     got = cpu_sample.exponential_race(probs, mine)
-    want = cpu_sample._torch_race(probs, theirs)
+    want = cpu_sample.torch_race(probs, theirs)
     assert got is not None
     assert got.tolist() == want.tolist()
     for a, b in zip(mine, theirs):
@@ -135,7 +135,7 @@ def test_not_applicable_returns_none_untouched():
 def test_self_check_failure_disables_the_kernel(monkeypatch, caplog):
     """When torch's draw and the kernel differ (another torch's generator), the kernel is not used."""
     monkeypatch.setattr(cpu_sample, "_resolved", [])
-    monkeypatch.setattr(cpu_sample, "_torch_race", lambda probs, gens: torch.zeros(probs.shape[0]) - 1)
+    monkeypatch.setattr(cpu_sample, "torch_race", lambda probs, gens: torch.zeros(probs.shape[0]) - 1)
     with caplog.at_level(logging.WARNING, logger=cpu_sample.__name__):
         assert cpu_sample._kernel() is None
     assert "does not reproduce torch" in caplog.text

@@ -85,7 +85,7 @@ def _apply_top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     if bool((keep.sum(-1, keepdim=True) > num_kept).any()):  # a run of ties crosses the cut somewhere
         above, tied = probs > cut, probs == cut
         keep = above | (tied & (tied.cumsum(-1) <= num_kept - above.sum(-1, keepdim=True)))
-    keep |= (num_kept == vocab)
+    keep |= nan_rows[:, None]
     return x.masked_fill(~keep, float("-inf"))
 
 
@@ -147,13 +147,9 @@ def sample(
         if pr.numel():
             x[pr] = _apply_top_p(x[pr], top_p[pr])
         probs = torch.softmax(x, dim=-1)
-        drawn = cpu_sample.exponential_race(probs, [generators[i] for i in rows])
-        if drawn is None:  # the same draws, torch's own: one generator per request, so per row
-            q = torch.stack(
-                [torch.empty_like(probs[j]).exponential_(generator=generators[i]) for j, i in enumerate(rows)]
-            )
-            drawn = (probs / q).argmax(dim=-1)
-        tokens[sel] = drawn
+        row_generators = [generators[i] for i in rows]
+        drawn = cpu_sample.exponential_race(probs, row_generators)
+        tokens[sel] = drawn if drawn is not None else cpu_sample.torch_race(probs, row_generators)
     if full_logprobs:
         chosen = logprobs.gather(1, tokens[:, None])[:, 0]
     else:

@@ -3,10 +3,12 @@ projection, and beats Snowflake's initialisation on held-out data."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from swiftkv_distill.batch import Batch
-from swiftkv_distill.calibrate import Accumulator, CalibrationError, calibrate
+from swiftkv_distill.calibrate import VALUE_PRIOR_QUERIES, Accumulator, CalibrationError, calibrate
 from swiftkv_distill.forward import training_forward
 from swiftkv_reference.checkpoint import CheckpointError, check_state_dict, swiftkv_init
 from swiftkv_reference.config import ConfigError
@@ -63,6 +65,25 @@ def test_weighted_fit_is_lstsq_of_the_scaled_rows(bias):
         acc.update(s, ys, {0: -weights[0], 1: weights[1]})
     with pytest.raises(ValueError, match="an unweighted one none"):
         Accumulator(12, {0: 5, 1: 6}).update(s, ys, weights)
+    # a weighted accumulator takes any subset of its keys, each with its own rows
+    part = Accumulator(12, {0: 5, 1: 6}, bias=bias, weighted=True)
+    part.update(s[:40], {0: ys[0][:40]}, {0: weights[0][:40]})
+    with pytest.raises(CalibrationError, match=r"no calibration rows.*\(for 1\)"):
+        part.solve(1e-12)
+    part.update(s[40:], {0: ys[0][40:]}, {0: weights[0][40:]})
+    part.update(s, {1: ys[1]}, {1: weights[1]})
+    for (w_part, b_part), (w, b) in zip(part.solve(1e-12).values(), acc.solve(1e-12).values()):
+        torch.testing.assert_close(w_part, w, rtol=0, atol=1e-8)
+        assert (b_part is None) == (b is None) == (not bias)
+    # blend: key 0's fit also counts key 1's rows (their first 5 target columns) at weight 0.5
+    part.blend(0, 1, 0.5, slice(0, 5))
+    root = torch.cat([weights[0], 0.5 * weights[1]]).sqrt()[:, None]
+    rows = torch.cat([design, design]) * root
+    want = torch.linalg.lstsq(rows, torch.cat([ys[0], ys[1][:, :5]]) * root).solution
+    w, b = part.solve(1e-12)[0]
+    torch.testing.assert_close(w, want[:12].T, rtol=0, atol=1e-8)
+    with pytest.raises(ValueError, match="6 columns of 1 for 5 of 0"):
+        part.blend(0, 1, 0.5)
 
 
 def test_ridge_shrinks_weights_not_bias():
@@ -90,6 +111,8 @@ def test_accumulator_refuses_bad_input():
         acc.update(torch.zeros(3, 4), {"k": torch.zeros(3, 3)})
     with pytest.raises(ValueError, match="targets for"):
         acc.update(torch.zeros(3, 4), {"v": torch.zeros(3, 2)})
+    with pytest.raises(ValueError, match="all of them: they share"):
+        Accumulator(4, {"k": 2, "v": 2}).update(torch.zeros(3, 4), {"k": torch.zeros(3, 2)})
     acc.update(torch.ones(3, 4), {"k": torch.zeros(3, 2)})  # rank 1
     with pytest.raises(CalibrationError, match="singular"):
         acc.solve(ridge=0)
@@ -187,6 +210,90 @@ def test_answers_only_fits_on_answer_tokens():
     _, answers = calibrate(teacher, [batch], 2, answers_only=True, progress=False)
     key = "model.layers.2.self_attn.k_proj_swiftkv.weight"
     assert not torch.allclose(every[key], answers[key])
+
+
+def _attention_weighted_fits(
+    teacher, batch: Batch, big_l: int, group: int, prior_queries: int
+) -> dict[str, torch.Tensor]:
+    """The attention weighting's fits by brute force (calibrate's module docstring), one row at a time,
+    each by torch.linalg.lstsq: keys weighted per kv head by the attention of the answer queries
+    through its query heads; values from the attention-pooled S to the teacher's attention output, and
+    every token's own V weighted as its key times prior_queries / (answer queries)."""
+    cfg = teacher.config
+    heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    rep = heads // kv_heads
+    seen = {}
+    with torch.no_grad():
+        out = training_forward(
+            teacher,
+            batch.input_ids,
+            swiftkv=False,
+            compute_logits=False,
+            capture_from=big_l,
+            attention_hook=lambda i, h, probs, attn: seen.__setitem__(i, (probs.double(), attn.double())),
+        )
+    norm = teacher.model.layers[big_l].input_layernorm
+    prior = prior_queries / int(batch.answer_mask.sum())
+    s = norm(out.residual).double()  # (B, T, hidden)
+    fits = {}
+    for leader in range(big_l, cfg.num_hidden_layers, group):
+        for h in range(kv_heads):
+            rows = {"k": ([], [], []), "v": ([], [], [])}  # (x, y, weight) per fit
+            for i in range(leader, leader + group):
+                probs, attn = seen[i]
+                k, v = (x.double() for x in out.kv[i])
+                for b in range(batch.input_ids.shape[0]):
+                    answers = batch.answer_mask[b].nonzero().flatten().tolist()
+                    for t in batch.attention_mask[b].nonzero().flatten().tolist():
+                        mass = sum(
+                            float(probs[b, j, q, t]) for j in range(h * rep, (h + 1) * rep) for q in answers
+                        )
+                        rows["k"][0].append(s[b, t])
+                        rows["k"][1].append(k[b, t, h * d : (h + 1) * d])
+                        rows["k"][2].append(mass)
+                        rows["v"][0].append(s[b, t])
+                        rows["v"][1].append(v[b, t, h * d : (h + 1) * d])
+                        rows["v"][2].append(mass * prior)
+                    for q in answers:
+                        for j in range(h * rep, (h + 1) * rep):
+                            rows["v"][0].append(probs[b, j, q] @ s[b])
+                            rows["v"][1].append(attn[b, q, j * d : (j + 1) * d])
+                            rows["v"][2].append(1.0)
+            for part, (x, y, w) in rows.items():
+                x, y, root = (
+                    torch.stack(x),
+                    torch.stack(y),
+                    torch.tensor(w, dtype=torch.float64).sqrt()[:, None],
+                )
+                if cfg.attention_bias:
+                    x = torch.cat([x, torch.ones(len(x), 1, dtype=torch.float64)], 1)
+                sol = torch.linalg.lstsq(x * root, y * root).solution  # (hidden [+1], d)
+                prefix = f"model.layers.{leader}.self_attn.{part}_proj_swiftkv"
+                fits.setdefault(f"{prefix}.weight", []).append(sol[: cfg.hidden_size].T)
+                if cfg.attention_bias:
+                    fits.setdefault(f"{prefix}.bias", []).append(sol[cfg.hidden_size])
+    return {name: torch.cat(parts) for name, parts in fits.items()}
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2_hybrid_bias"])
+@pytest.mark.parametrize("group", [1, 2])
+@pytest.mark.parametrize("prior_queries", [0, 78, VALUE_PRIOR_QUERIES])
+def test_attention_weighting_is_its_documented_least_squares(name, group, prior_queries, monkeypatch):
+    """Two kv heads of two query heads each, answers after a prompt, an AcrossKV group of two or one;
+    values pooled alone, evenly blended with their per-token fit (78 answer queries), and as shipped."""
+    # the module by its sys.modules name: the package's `calibrate` attribute is the function
+    monkeypatch.setattr(sys.modules["swiftkv_distill.calibrate"], "VALUE_PRIOR_QUERIES", prior_queries)
+    overrides = dict(PLAIN_MODELS[name], num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    teacher = tiny_model(tiny_config(**overrides, head_dim=16), seed=3)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (50, 38, 45)]
+    batch = Batch.from_sequences(seqs, answer_starts=[20, 5, 30])
+    _, state = calibrate(teacher, [batch], 2, group, ridge=1e-12, progress=False)
+    assert int(batch.answer_mask.sum()) == 78
+    want = _attention_weighted_fits(teacher, batch, 2, group, prior_queries)
+    assert len(want) == (2 if group == 2 else 4) * (2 if teacher.config.attention_bias else 1)
+    for key, value in want.items():
+        torch.testing.assert_close(state[key].double(), value, rtol=0, atol=2e-4, msg=key)
 
 
 def _agreement(teacher, student, batches) -> float:

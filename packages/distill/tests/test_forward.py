@@ -80,26 +80,40 @@ def test_start_from_a_kept_state_equals_the_full_forward(swiftkv):
     torch.testing.assert_close(resumed.states[n - 1], full.states[n - 1], rtol=0, atol=0)
 
 
-def test_attention_mass_is_the_attention_each_key_receives():
+def test_attention_hook_sees_each_layers_stream_probabilities_and_output():
     config = tiny_config(**FORWARD_MODELS["qwen2_hybrid_swiftkv"])  # sliding and full layers
     model = tiny_model(config, seed=1)
     batch = _batch(config.vocab_size)
-    queries = batch.attention_mask.clone()
-    queries[0, :5] = False  # only the counted queries add up
+    seen = {}
+
+    def hook(i, h, probs, attn):
+        seen[i] = (h.clone(), probs.clone(), attn.clone())
+
     with torch.no_grad():
-        plain = training_forward(model, batch.input_ids, swiftkv=False, capture_from=2)
-        out = training_forward(model, batch.input_ids, swiftkv=False, capture_from=2, attention_mass=queries)
-    assert sorted(out.mass) == list(range(2, config.num_hidden_layers))
+        plain = training_forward(model, batch.input_ids, swiftkv=False, capture_from=2, keep_states=(3,))
+        out = training_forward(model, batch.input_ids, swiftkv=False, capture_from=2, attention_hook=hook)
+    assert sorted(seen) == list(range(2, config.num_hidden_layers))
     torch.testing.assert_close(out.logits, plain.logits)  # the explicit attention is the same attention
-    for i, mass in out.mass.items():
-        assert mass.shape == batch.input_ids.shape and bool((mass >= 0).all())
-        torch.testing.assert_close(mass.sum(1), queries.sum(1).to(mass.dtype))  # every query spends 1
-        # causal: the last real key of a row is seen only by itself (and the pads after it)
-        n = LENGTHS[1]
+    torch.testing.assert_close(seen[2][0], plain.residual, rtol=0, atol=0)
+    torch.testing.assert_close(seen[3][0], plain.states[3])
+    heads, d, rep = (
+        config.num_attention_heads,
+        config.head_dim,
+        config.num_attention_heads // config.num_key_value_heads,
+    )
+    num_tokens = batch.input_ids.shape[1]
+    for i, (_, probs, attn) in seen.items():
+        assert probs.shape == (len(LENGTHS), heads, num_tokens, num_tokens)
+        torch.testing.assert_close(probs.sum(-1), torch.ones_like(probs[..., 0]))
+        assert float(probs.triu(1).abs().max()) == 0  # causal
         window = config.window(i)
-        assert float(mass[1, n - 1]) <= 1 + 1e-5 and (window is None or float(mass[1, 0]) <= window)
-    with pytest.raises(ValueError, match="attention_mass needs capture_from"):
-        training_forward(model, batch.input_ids, swiftkv=False, attention_mass=queries)
+        if window is not None:  # nothing older than the window
+            assert float(probs.tril(-window).abs().max()) == 0
+        v = out.kv[i][1].view(len(LENGTHS), num_tokens, -1, d).repeat_interleave(rep, 2)  # (B, T, heads, d)
+        want = torch.einsum("bhqt,bthd->bqhd", probs, v).reshape(attn.shape)
+        torch.testing.assert_close(attn, want)
+    with pytest.raises(ValueError, match="attention_hook needs capture_from"):
+        training_forward(model, batch.input_ids, swiftkv=False, attention_hook=hook)
 
 
 def test_gradients_reach_swiftkv_parameters():

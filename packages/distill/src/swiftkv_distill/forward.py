@@ -30,7 +30,7 @@ one model, two paths): it begins at layer l from a given h_l, which must be what
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +47,11 @@ class ForwardOutput:
     residual: torch.Tensor | None = None  # (B, T, hidden): the stream entering layer capture_from
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # layer -> pre-RoPE (K, V)
     states: dict[int, torch.Tensor] | None = None  # layer i -> (B, T, hidden): h_i, for keep_states
-    mass: dict[int, torch.Tensor] | None = None  # layer i >= capture_from -> (B, T), see attention_mass
+
+
+# hook(i, h, probs, attn): layer i >= capture_from; h (B, T, hidden) the stream entering it, probs
+# (B, heads, T, T) its attention probabilities, attn (B, T, heads * head_dim) its output before o_proj
+AttentionHook = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 def training_forward(
@@ -60,7 +64,7 @@ def training_forward(
     capture_from: int | None = None,
     keep_states: Collection[int] = (),
     start: tuple[int, torch.Tensor] | None = None,
-    attention_mass: torch.Tensor | None = None,
+    attention_hook: AttentionHook | None = None,
 ) -> ForwardOutput:
     """Run `model` densely over input_ids (B, T) from position 0 (see the module docstring).
 
@@ -73,10 +77,9 @@ def training_forward(
     keep_states: layer indices i; out.states[i] is h_i, the residual stream entering layer i.
     start: (l, h_l), h_l (B, T, hidden): begin at layer l from h_l instead of the embeddings; layers
         < l are skipped (l must not exceed L on the SwiftKV path, nor capture_from or keep_states).
-    attention_mass: (B, T) bool, the queries to count (with capture_from): out.mass[i] for i >= c is
-        (B, T), the attention each key receives in layer i, summed over those queries and averaged
-        over the heads (a row's masses sum to its number of counted queries). Those layers then
-        compute attention explicitly (a (B, heads, T, T) temporary) instead of with SDPA.
+    attention_hook: called as hook(i, h, probs, attn) for every layer i >= capture_from, in order
+        (see AttentionHook; calibration takes its statistics there). Those layers then compute
+        attention explicitly (a (B, heads, T, T) temporary) instead of with SDPA.
     """
     cfg = model.config
     n = cfg.num_hidden_layers
@@ -100,8 +103,8 @@ def training_forward(
             f"start state must be {(batch, num_tokens, cfg.hidden_size)}, got {tuple(start[1].shape)}"
         )
     below = [i for i in (*keep_states, *([] if capture_from is None else [capture_from])) if i < first]
-    if attention_mass is not None and (capture_from is None or attention_mass.shape != input_ids.shape):
-        raise ValueError("attention_mass needs capture_from and the shape of input_ids")
+    if attention_hook is not None and capture_from is None:
+        raise ValueError("attention_hook needs capture_from")
     bad = [i for i in keep_states if not 0 <= i < n]
     if below or bad:
         raise ValueError(f"keep_states / capture_from {sorted(below + bad)} not in [{first}, {n})")
@@ -114,7 +117,7 @@ def training_forward(
     }  # window -> (T, T) bool, True where a query may see a key
 
     residual, captured = None, ({} if capture_from is not None else None)
-    states, mass = {}, ({} if attention_mass is not None else None)
+    states = {}
     h = model.model.embed_tokens(input_ids) if start is None else start[1]  # (B, T, hidden)
     shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # SwiftKV leader -> pre-RoPE (K, V)
     for i in range(first, n):
@@ -135,8 +138,9 @@ def training_forward(
         q = layer.self_attn.project_q(x, cos, sin, swiftkv=not own)  # (B*T, heads, head_dim)
         k = apply_rope(k.view(batch * num_tokens, -1, cfg.head_dim), cos, sin)
         mask = masks[cfg.window(i)]
-        if mass is not None and i >= capture_from:
-            attn, mass[i] = _attention_with_mass(q, k, v, batch, mask, model.scale, attention_mass)
+        if attention_hook is not None and i >= capture_from:
+            attn, probs = _attention_with_probs(q, k, v, batch, mask, model.scale)
+            attention_hook(i, h, probs, attn)
         else:
             attn = _sdpa(q, k, v, batch, mask, model.scale)  # (B, T, heads * head_dim)
         h = h + layer.self_attn.o_proj(attn)
@@ -145,7 +149,7 @@ def training_forward(
     if compute_logits:
         rows = h if logits_mask is None else h[logits_mask]  # (B, T, hidden) / (P, hidden)
         logits = final_logits(model, rows)
-    return ForwardOutput(hidden=h, logits=logits, residual=residual, kv=captured, states=states, mass=mass)
+    return ForwardOutput(hidden=h, logits=logits, residual=residual, kv=captured, states=states)
 
 
 def final_logits(model: SwiftKVForCausalLM, h: torch.Tensor) -> torch.Tensor:
@@ -179,12 +183,9 @@ def _sdpa(q, k, v, batch: int, mask: torch.Tensor, scale: float) -> torch.Tensor
     return out.transpose(1, 2).reshape(batch, q.shape[2], -1)
 
 
-def _attention_with_mass(q, k, v, batch: int, mask: torch.Tensor, scale: float, queries: torch.Tensor):
-    """_sdpa's attention, explicitly, and the mass each key receives from the `queries` (B, T) bool:
-    -> ((B, T, heads * d), (B, T))."""
+def _attention_with_probs(q, k, v, batch: int, mask: torch.Tensor, scale: float):
+    """_sdpa's attention, explicitly: -> ((B, T, heads * d), probs (B, heads, T, T))."""
     q, k, v = _heads(q, k, v, batch)
     scores = (q @ k.transpose(-1, -2)) * scale  # (B, heads, T, T)
     probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-    out = (probs @ v).transpose(1, 2).reshape(batch, q.shape[2], -1)
-    mass = (probs * queries[:, None, :, None].to(probs.dtype)).sum(2).mean(1)  # (B, T)
-    return out, mass
+    return (probs @ v).transpose(1, 2).reshape(batch, q.shape[2], -1), probs

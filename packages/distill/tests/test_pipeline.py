@@ -12,6 +12,7 @@ import shutil
 import pytest
 import swiftkv_distill.pipeline as pipeline
 import torch
+from swiftkv_distill.calibrate import CALIBRATION_VERSION
 from swiftkv_distill.data import load_jsonl, split_holdout
 from swiftkv_distill.pipeline import (
     DistillSettings,
@@ -89,10 +90,11 @@ def test_settings_refuse_cuda_without_cuda():
         DistillSettings(num_key_value_layers=2, device="cuda")
 
 
-def test_cache_key_is_every_setting_but_the_device():
+def test_cache_key_is_every_setting_but_the_device_and_the_calibrations_version():
     s = DistillSettings(num_key_value_layers=3, steps=5)
     key = s.cache_key()
-    assert key == {k: v for k, v in s.__dict__.items() if k != "device"}
+    settings = {k: v for k, v in s.__dict__.items() if k != "device"}
+    assert key == settings | {"calibration": CALIBRATION_VERSION}
     assert key == DistillSettings(num_key_value_layers=3, steps=5, device="cpu:0").cache_key()
 
 

@@ -72,6 +72,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_RIDGE = 1e-4
 WEIGHTINGS = ("attention", "uniform")
 DEFAULT_WEIGHTING = "attention"
+# bumped whenever the fit changes for the same data and settings: students cached under the user's
+# cache directory (pipeline.cached_student) are then fitted again
+CALIBRATION_VERSION = 2
 # the pooled value fit's prior toward the per-token one, worth this many answer queries (see the docstring)
 VALUE_PRIOR_QUERIES = 4096
 

@@ -123,7 +123,9 @@ def add_parsers(sub) -> None:
         "--weighting",
         choices=WEIGHTINGS,
         default=DEFAULT_WEIGHTING,
-        help="calibration: weight each token's K/V by the attention it receives (default) or uniformly",
+        help="calibration: fit what the answer tokens' attention reads (default: keys weighted by the "
+        "attention they get, values through the attention output; see `swiftkv_distill.calibrate`) or "
+        "every token's K/V alike (uniform: less memory for large models)",
     )
     t.add_argument("--steps", type=int, default=0, help="distillation steps after the calibration (0: none)")
     t.add_argument("--lr", type=float, default=2e-4, help="distillation learning rate (AdamW, cosine decay)")

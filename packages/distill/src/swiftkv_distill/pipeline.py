@@ -26,7 +26,7 @@ from swiftkv_reference.checkpoint import TOKENIZER_FILES, check_conversion_paths
 from swiftkv_reference.config import SwiftKVConfig
 from swiftkv_reference.model import SwiftKVForCausalLM
 
-from .calibrate import DEFAULT_RIDGE, DEFAULT_WEIGHTING, WEIGHTINGS, calibrate
+from .calibrate import CALIBRATION_VERSION, DEFAULT_RIDGE, DEFAULT_WEIGHTING, WEIGHTINGS, calibrate
 from .data import (
     DEFAULT_HOLDOUT_SHARE,
     DEFAULT_TEMPERATURE,
@@ -115,8 +115,9 @@ class DistillSettings:
         )
 
     def cache_key(self) -> dict:
-        """What determines the student (not the device, which only changes the speed)."""
-        return {k: v for k, v in asdict(self).items() if k != "device"}
+        """What determines the student (not the device, which only changes the speed), and the
+        calibration's version (a student cached by an earlier fit is refitted)."""
+        return {k: v for k, v in asdict(self).items() if k != "device"} | {"calibration": CALIBRATION_VERSION}
 
 
 @dataclass

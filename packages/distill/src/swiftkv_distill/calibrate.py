@@ -36,7 +36,7 @@ fitted on 42 / 229 / 916 teacher answers (5.5k / 27k / 110k answer tokens):
       averaged over all heads
     per kv head, the answer queries                         0.654   0.693    -
     values pooled                                           0.641   0.702  0.716
-    values pooled, the prior (weight 0.7 / 0.15 / 0.04)     0.652   0.701  0.714  (the default)
+    values pooled, the prior (weight 0.76 / 0.15 / 0.04)    0.653   0.701  0.714  (the default)
 
 Only sufficient statistics are kept, in fp64: S^T W S ((hidden+1)^2 with the bias column, else hidden^2)
 once for uniform weights, or per (leader, kv head, K / V) with attention weights (240 MiB for the

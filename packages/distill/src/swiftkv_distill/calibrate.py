@@ -29,7 +29,7 @@ RoPE is applied after the projection on both paths, so fitting before RoPE is ex
 (attention_bias models) is fitted and never regularized.
 
 Held-out top-1 agreement on the embedded model at L = 15 (27 held-out prompts, 3.1k answer tokens),
-fitted on 42 / 229 / 916 teacher answers (5.5k / 27k / 110k answer tokens):
+fitted on 42 / 229 / 916 teacher answers (5.4k / 28k / 112k answer tokens):
 
     uniform                                                    -     0.666    -
     keys and values weighted by every query's attention,   0.649   0.688  0.687  (the previous default)
@@ -39,7 +39,7 @@ fitted on 42 / 229 / 916 teacher answers (5.5k / 27k / 110k answer tokens):
     values pooled, the prior (weight 0.76 / 0.15 / 0.04)    0.653   0.701  0.714  (the default)
 
 Only sufficient statistics are kept, in fp64: S^T W S ((hidden+1)^2 with the bias column, else hidden^2)
-once for uniform weights, or per (leader, kv head, K / V) with attention weights (240 MiB for the
+once for uniform weights, or per (leader, kv head, K / V) with attention weights (266 MiB for the
 embedded model at L = 15, 34 GiB for Llama-3.1-8B at L = 16: `weighting="uniform"` needs 1.2 GiB there),
 and S^T W Y per fit, so memory does not grow with the data. The ridge is relative: lam = ridge *
 mean(diag(S^T W S)) over the hidden columns, which leaves the solution unchanged when the data is

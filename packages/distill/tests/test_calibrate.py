@@ -345,3 +345,23 @@ def test_bad_settings_are_refused_before_reading_data():
         )
     with pytest.raises(CalibrationError, match="no calibration rows"):
         calibrate(teacher, [], 2, progress=False)
+
+
+def test_statistics_larger_than_the_device_are_refused_before_reading_data(monkeypatch):
+    """The attention weighting keeps 2 x kv_heads systems per cache layer: on a device too small for
+    them calibrate says so, and what fits, before it reads any data."""
+    teacher = tiny_model(tiny_config(num_hidden_layers=4))
+
+    def no_batches():
+        raise AssertionError("data was read")
+        yield
+
+    module = sys.modules["swiftkv_distill.calibrate"]
+    # 2 leaders x (token + pooled) systems of 64^2 fp64, and their 2 x (64 + 32) target columns
+    need = 8 * 64 * (4 * 64 + 2 * (64 + 32))
+    monkeypatch.setattr(module, "device_memory_bytes", lambda device: need - 1)
+    with pytest.raises(CalibrationError, match="keeps 0.0 GiB of fp64 statistics.*use weighting='uniform'"):
+        calibrate(teacher, no_batches(), 2)
+    monkeypatch.setattr(module, "device_memory_bytes", lambda device: need)
+    with pytest.raises(CalibrationError, match="no calibration rows"):
+        calibrate(teacher, [], 2, progress=False)

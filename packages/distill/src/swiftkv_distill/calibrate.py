@@ -41,7 +41,8 @@ fitted on 42 / 229 / 916 teacher answers (5.4k / 28k / 112k answer tokens):
 Only sufficient statistics are kept, in fp64: S^T W S ((hidden+1)^2 with the bias column, else hidden^2)
 once for uniform weights, or per (leader, kv head, K / V) with attention weights (266 MiB for the
 embedded model at L = 15, 34 GiB for Llama-3.1-8B at L = 16: `weighting="uniform"` needs 1.2 GiB there),
-and S^T W Y per fit, so memory does not grow with the data. The ridge is relative: lam = ridge *
+and S^T W Y per fit, so memory does not grow with the data (statistics larger than the device's memory
+are refused before any data is read). The ridge is relative: lam = ridge *
 mean(diag(S^T W S)) over the hidden columns, which leaves the solution unchanged when the data is
 repeated.
 
@@ -61,6 +62,7 @@ from collections.abc import Hashable, Iterable, Mapping
 import torch
 from swiftkv_reference.checkpoint import swiftkv_init
 from swiftkv_reference.config import SwiftKVConfig
+from swiftkv_reference.memory import device_memory_bytes
 from swiftkv_reference.model import RMSNorm, SwiftKVForCausalLM
 from tqdm.auto import tqdm
 
@@ -262,6 +264,15 @@ def calibrate(
             out_features |= {(leader, h, "token"): 2 * head_dim, (leader, h, "pooled"): head_dim}
     else:
         out_features = {leader: 2 * kv_dim for leader in leaders}
+    width = config.hidden_size + int(config.attention_bias)
+    need = 8 * width * ((len(out_features) if weighted else 1) * width + sum(out_features.values()))
+    total = device_memory_bytes(device)
+    if total is not None and need > total:
+        raise CalibrationError(
+            f"weighting={weighting!r} keeps {need / 2**30:.1f} GiB of fp64 statistics, more than the "
+            f"{total / 2**30:.1f} GiB of {device} memory"
+            + (": use weighting='uniform' (--weighting uniform)" if weighted else "")
+        )
     acc = Accumulator(config.hidden_size, out_features, config.attention_bias, device, weighted)
     logger.info("calibration statistics: %.1f MiB (fp64)", acc.nbytes / 2**20)
 

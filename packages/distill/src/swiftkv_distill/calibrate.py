@@ -41,7 +41,10 @@ fitted on 42 / 229 / 916 teacher answers (5.4k / 28k / 112k answer tokens):
 The default levels off: 1,831 answers (the 916 and a second draw of the teacher's sampling) gave
 0.716, and the fit scores 0.748 on answers it was fitted on. Keys weighted by their first-order effect
 on the attention output (sum over q of p^a ||v_t - o_q||^2 ||q||^2, a = 1, 2) instead of their mass
-gave 0.699 / 0.700 on 229 answers, against 0.701.
+gave 0.699 / 0.700 on 229 answers, against 0.701. AcrossKV fits poorly (L = 16, G = 2: 0.361, where
+L = 15, G = 1 gives 0.701): one key must serve G layers' queries. Rotating each member's keys by a
+per-(kv head, RoPE pair) phase towards the leader's before the shared fit, with the inverse rotation
+in that member's q_proj_swiftkv (exact logits for exact keys), gave 0.396; not built.
 
 Only sufficient statistics are kept, in fp64: S^T W S ((hidden+1)^2 with the bias column, else hidden^2)
 once for uniform weights, or per (leader, kv head, K / V) with attention weights (266 MiB for the

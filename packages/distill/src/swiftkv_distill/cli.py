@@ -50,7 +50,7 @@ def _add_data_flags(p: argparse.ArgumentParser) -> None:
         default=256,
         help="teacher answers to generate (without --data). On the embedded model at L = 15, 256 / 1,024 / "
         "2,048 answers calibrate to 0.701 / 0.714 / 0.716 held-out agreement (the fit levels off; 240 "
-        "distillation steps at lr 1e-3 from the 1,024 answers' fit reach 0.763), each 1,024 answers of up to "
+        "distillation steps at lr 1e-3 on 1,024 answers reach 0.763), each 1,024 answers of up to "
         "192 tokens costing ~8 min of generation and ~10 min of calibration on 2 AMD EPYC Zen 4 cores",
     )
     g.add_argument("--max-tokens", type=int, default=256, help="longest teacher answer, in tokens")

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from swiftkv_reference.memory import device_memory_bytes
 
 from swiftkv_fast.attention import BACKENDS
 from swiftkv_fast.attention.flash_backend import validate_block_size
@@ -172,17 +173,6 @@ class EngineConfig:
                 f"{what} needs {num_bytes} bytes ({num_bytes / 2**30:.1f} GiB) of KV cache, more than the "
                 f"{total / 2**30:.1f} GiB of {self.device} memory"
             )
-
-
-def device_memory_bytes(device: str | torch.device) -> int | None:
-    """Total memory of a CUDA device, or the machine's physical RAM for the CPU; None when unknown."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return torch.cuda.mem_get_info(dev)[1]
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name
-        return None
 
 
 def _is_int(value) -> bool:

@@ -1,6 +1,6 @@
-"""How much memory a device has: what the calibration's statistics (swiftkv_distill) are checked
-against before they are allocated. swiftkv_fast.config keeps the same function for its KV cache check:
-inside swiftkv_fast only the model loader imports this package (swiftkv_fast's test_layering)."""
+"""How much memory a device has: what the engine's KV cache (swiftkv_fast.config) and the calibration's
+statistics (swiftkv_distill) are checked against before they are allocated. No model math: every
+swiftkv_fast module may import it (swiftkv_fast's test_layering)."""
 
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ only the SwiftKV parameters, the schedule, checkpoints that resume bit-for-bit, 
 from __future__ import annotations
 
 import copy
+import importlib
 import logging
 import math
 
@@ -12,12 +13,15 @@ import torch
 from swiftkv_distill.batch import Batch
 from swiftkv_distill.distill import DistillConfig, distill, distill_loss, trainable_parameters
 from swiftkv_distill.forward import training_forward
+from swiftkv_distill.precision import resolve_precision
 from swiftkv_distill.trainer_state import META_FILE, TENSORS_FILE, list_checkpoints
 from swiftkv_reference.checkpoint import swiftkv_init
 from swiftkv_reference.model import SwiftKVForCausalLM
 from swiftkv_reference.testing import tiny_config, tiny_model
 from tiny_models import PLAIN_MODELS
 
+distill_module = importlib.import_module("swiftkv_distill.distill")  # the package exports the function
+precision_module = importlib.import_module("swiftkv_distill.precision")
 SWIFTKV_NAMES = ("norm_swiftkv", "q_proj_swiftkv", "k_proj_swiftkv", "v_proj_swiftkv")
 
 
@@ -143,7 +147,9 @@ def test_first_step_loss_is_snowflakes_loss_of_the_initial_model(hidden_loss_lay
                 t_h, s_h = model.model.norm(t.hidden), model.model.norm(s.hidden)
         m, rows = b.logits_mask, b.attention_mask
         want.append(_brute_kl_mse(s.logits[m], t.logits[m], s_h[rows], t_h[rows], 2.0, 1.0))
-    config = DistillConfig(steps=1, gradient_accumulation_steps=2, hidden_loss_layer=hidden_loss_layer)
+    config = DistillConfig(
+        steps=1, gradient_accumulation_steps=2, hidden_loss_layer=hidden_loss_layer, precision="fp32"
+    )
     result = distill(model, batches, config, progress=False)
     assert result.losses[0] == pytest.approx(sum(w[0] for w in want) / 2, rel=1e-5)
     assert result.logits_losses[0] == pytest.approx(sum(w[1] for w in want) / 2, rel=1e-5)
@@ -285,6 +291,7 @@ class _NeverRead:
         ("teacher_cache_gib", -1.0),
         ("checkpoint_every", 0),
         ("keep_checkpoints", 0),
+        ("precision", "fp16"),
     ],
 )
 def test_bad_settings_name_their_field(field, value):
@@ -349,3 +356,85 @@ def test_cuda_bf16_autocast_lowers_the_kl():
     assert all(math.isfinite(x) for x in result.losses)
     assert next(model.parameters()).dtype == torch.float32
     assert _mean_kl(model.cpu(), batches) < 0.7 * kl
+
+
+def test_bf16_autocast_on_cpu_trains_fp32_weights_and_lowers_the_kl():
+    """precision="bf16" runs the forwards under CPU autocast (other losses than fp32's), keeps the
+    weights fp32, writes only the SwiftKV parameters and still lowers the KL."""
+    init = _student("qwen2_hybrid_bias", 2, 2)
+    batches = _batches(4)
+    kl = _mean_kl(init, batches)
+    runs = {}
+    for precision in ("fp32", "bf16"):
+        model = copy.deepcopy(init)
+        config = DistillConfig(steps=10, lr=1e-2, warmup_ratio=0.2, precision=precision)
+        runs[precision] = (model, distill(model, batches, config, progress=False))
+    model, result = runs["bf16"]
+    assert result.precision == "bf16" and runs["fp32"][1].precision == "fp32"
+    assert all(math.isfinite(x) for x in result.losses) and result.losses != runs["fp32"][1].losses
+    assert result.losses[0] == pytest.approx(runs["fp32"][1].losses[0], rel=0.05)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert _mean_kl(model, batches) < 0.8 * kl
+    trainable = set(trainable_parameters(model))
+    before, after = _snapshot(init), _snapshot(model)
+    assert all((before[k] == after[k]) == (k not in trainable) for k in before)
+
+
+def test_auto_precision_is_measured_once_per_shape(monkeypatch):
+    """"auto" takes bf16 on CPU only when the measured layer is BF16_MIN_SPEEDUP times as fast, asks the
+    clock once per model shape in a process, and takes bf16 on CUDA without measuring."""
+    monkeypatch.setattr(precision_module, "_chosen", {})
+    timings = iter([(2.0, 1.0), (1.0, 2.0)])  # (fp32, bf16) seconds of the first and second measurement
+    calls = []
+
+    def fake_time_layer(model, device):
+        calls.append(model.config.hidden_size)
+        return next(timings)
+
+    monkeypatch.setattr(precision_module, "_time_layer", fake_time_layer)
+    small, large = _student(), tiny_model(tiny_config(num_hidden_layers=4, hidden_size=96, head_dim=48))
+    cpu = torch.device("cpu")
+    assert resolve_precision("auto", small, cpu) == "bf16"
+    assert resolve_precision("auto", copy.deepcopy(small), cpu) == "bf16"  # remembered, not re-measured
+    assert resolve_precision("auto", large, cpu) == "fp32"
+    assert calls == [small.config.hidden_size, large.config.hidden_size]
+    assert resolve_precision("fp32", small, cpu) == "fp32" and resolve_precision("bf16", large, cpu) == "bf16"
+    assert resolve_precision("auto", small, torch.device("cuda")) == "bf16" and len(calls) == 2
+    with pytest.raises(ValueError, match="precision must be one of auto, fp32, bf16, got 'fp16'"):
+        resolve_precision("fp16", small, cpu)
+
+
+def test_layer_timing_changes_nothing():
+    """The measurement runs a real layer both ways and leaves the weights, their gradients and the
+    RNG state as they were."""
+    model = _student("qwen2_hybrid_bias", 2, 2)
+    before, rng = _snapshot(model), torch.get_rng_state()
+    fp32, bf16 = precision_module._time_layer(model, torch.device("cpu"))
+    assert 0 < fp32 < math.inf and 0 < bf16 < math.inf
+    assert _snapshot(model) == before and torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_resumed_run_keeps_the_precision_it_started_with(tmp_path, monkeypatch):
+    """The checkpoint records what "auto" resolved to; resuming with "auto" reuses it without
+    measuring (bit-for-bit resumption), and an explicit other precision is refused before any work."""
+    init = _student()
+    batches = _batches(2)
+    bf16 = DistillConfig(steps=3, checkpoint_every=1, precision="bf16")
+    with pytest.raises(KeyboardInterrupt):  # killed in step 3
+        crashing = _Crashing(batches, limit=1 + 2)  # the emptiness check reads one
+        distill(copy.deepcopy(init), crashing, bf16, checkpoint_dir=tmp_path, progress=False)
+
+    def no_measuring(*args):
+        raise AssertionError("a resumed run must not measure again")
+
+    monkeypatch.setattr(precision_module, "resolve_precision", no_measuring)
+    monkeypatch.setattr(distill_module, "resolve_precision", no_measuring)
+    auto = DistillConfig(steps=3, checkpoint_every=1)
+    got = distill(copy.deepcopy(init), batches, auto, checkpoint_dir=tmp_path, resume=True, progress=False)
+    assert got.precision == "bf16" and got.start_step == 2
+    model = copy.deepcopy(init)
+    with pytest.raises(ValueError, match=r"settings differ \(precision: saved 'bf16', now 'fp32'\)"):
+        fp32 = DistillConfig(steps=3, checkpoint_every=1, precision="fp32")
+        distill(model, _NeverRead(), fp32, checkpoint_dir=tmp_path, resume=True)
+    assert _snapshot(model) == _snapshot(init)

@@ -17,8 +17,9 @@ the stream entering the last decoder layer (not the final norm's input; -1 is th
 Optimizer as Snowflake's recipe: AdamW (lr 2e-4, betas 0.9/0.999, weight decay 0, never on norms and
 biases), warm-up over int(warmup_ratio * steps) steps (warmup_ratio 0.05), the gradient norm clipped to
 1.0 (ArcticTraining's DeepSpeed default). Each micro-batch's loss is divided by
-gradient_accumulation_steps. fp32 on CPU; on CUDA the forwards run under bf16 autocast over fp32
-weights. Where we differ from ArcticTraining:
+gradient_accumulation_steps. The forwards run in fp32 or under bf16 autocast over fp32 weights
+(`precision`; "auto": bf16 on CUDA, and on CPU when a measured decoder layer is enough faster in bf16,
+see precision.py). Where we differ from ArcticTraining:
 - the KL is a mean over the scored positions; ArcticTraining averages the masked KL over all B*T
   positions (prompt and padding too), which weights a batch by its share of answer tokens. Its mask,
   labels != -100, marks the logits at the answer tokens; ours marks the logits that predict them;
@@ -38,7 +39,6 @@ continues from the newest one, skipping the micro-batches it consumed, bit-for-b
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
@@ -55,6 +55,7 @@ from tqdm.auto import tqdm
 
 from .batch import Batch
 from .forward import ForwardOutput, final_logits, training_forward
+from .precision import autocast, check_precision, resolve_precision
 from .trainer_state import (
     TrainerState,
     checkpoint_path,
@@ -69,7 +70,7 @@ logger = logging.getLogger(__name__)
 
 SWIFTKV_MODULES = frozenset({"norm_swiftkv", "q_proj_swiftkv", "k_proj_swiftkv", "v_proj_swiftkv"})
 # settings a resumed run may change
-_NOT_TRAJECTORY = ("checkpoint_every", "keep_checkpoints", "teacher_cache_gib")
+_NOT_TRAJECTORY = ("checkpoint_every", "keep_checkpoints", "teacher_cache_gib", "precision")
 _HISTORY = ("loss", "logits_loss", "hidden_loss", "lr", "grad_norm")
 
 
@@ -92,6 +93,7 @@ class DistillConfig:
     checkpoint_every: int | None = None  # steps between checkpoints (with a checkpoint_dir); None: at the end
     keep_checkpoints: int | None = 2  # newest checkpoints kept; None keeps all
     teacher_cache_gib: float = 4.0  # keep the teacher's outputs for later epochs up to this much; 0: never
+    precision: str = "auto"  # "fp32", "bf16" (autocast), or "auto": measured (precision.py); resumed as saved
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(self.betas))
@@ -108,6 +110,7 @@ class DistillConfig:
         _check_float("logits_loss_temp", self.logits_loss_temp, "> 0", lambda x: x > 0)
         _check_float("hidden_loss_mult", self.hidden_loss_mult, ">= 0", lambda x: x >= 0)
         _check_float("teacher_cache_gib", self.teacher_cache_gib, ">= 0", lambda x: x >= 0)
+        check_precision(self.precision, "DistillConfig.precision")
         if self.max_grad_norm is not None:
             _check_float("max_grad_norm", self.max_grad_norm, "> 0 (or None)", lambda x: x > 0)
         if len(self.betas) != 2 or not all(_is_real(b) and 0 <= b < 1 for b in self.betas):
@@ -137,6 +140,7 @@ class DistillResult:
     grad_norms: list[float] = field(default_factory=list)  # before clipping
     start_step: int = 0  # the step this call resumed from
     seconds_per_step: float = math.nan  # wall time per step run by this call
+    precision: str = "fp32"  # the arithmetic the steps ran in: "fp32" or "bf16" (autocast)
     checkpoint: Path | None = None  # the newest checkpoint written (or resumed from)
 
 
@@ -232,7 +236,9 @@ def distill(
         trainable = trainable_parameters(model)
         for name, p in model.named_parameters():
             p.requires_grad_(name in trainable)
-        return _train(model, batches, config, trainable, state, ckpt_dir, device, progress)
+        saved = state.meta.get("precision") if state is not None else None  # a resumed run keeps its own
+        precision = saved or resolve_precision(config.precision, model, device)
+        return _train(model, batches, config, trainable, state, ckpt_dir, device, precision, progress)
     finally:
         for name, p in model.named_parameters():
             p.requires_grad_(flags[name])
@@ -247,6 +253,7 @@ def _train(
     state: TrainerState | None,
     ckpt_dir: Path | None,
     device: torch.device,
+    precision: str,
     progress: bool,
 ) -> DistillResult:
     optimizer = _optimizer(trainable, config)
@@ -265,9 +272,6 @@ def _train(
     accum = config.gradient_accumulation_steps
     micro_batches = _cycle(batches, skip=start * accum)
     cache = _TeacherCache(int(config.teacher_cache_gib * 2**30))
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
-    )
     params = list(trainable.values())
     bar = tqdm(total=config.steps, initial=start, desc="distill", unit="step", disable=not progress)
     t0 = time.perf_counter()
@@ -280,7 +284,7 @@ def _train(
         for _ in range(accum):
             index, batch = next(micro_batches)
             batch = batch.to(device)
-            with autocast:
+            with autocast(precision, device):
                 parts = _micro_batch_loss(model, batch, config, cache, index)
             (parts[0] / accum).backward()
             sums += torch.stack([p.detach().double().cpu() for p in parts])
@@ -296,7 +300,7 @@ def _train(
         due = config.checkpoint_every is not None and done % config.checkpoint_every == 0
         if ckpt_dir is not None and (due or done == config.steps):
             optimizer_state = _optimizer_state(optimizer, trainable)
-            meta = _meta(model, config, trainable, history)
+            meta = _meta(model, config, trainable, history) | {"precision": precision}
             snapshot = TrainerState(done, dict(trainable), optimizer_state, rng_state(), meta)
             checkpoint = save_trainer_state(ckpt_dir, snapshot, config.keep_checkpoints)
     bar.close()
@@ -317,6 +321,7 @@ def _train(
         start_step=start,
         seconds_per_step=(time.perf_counter() - t0) / ran if ran else math.nan,
         checkpoint=checkpoint,
+        precision=precision,
     )
 
 
@@ -511,6 +516,9 @@ def _resume_state(
         for k, v in state.meta["config"].items()
         if k not in _NOT_TRAJECTORY and _jsonable(current.get(k)) != _jsonable(v)
     ]
+    saved_precision = state.meta.get("precision")
+    if config.precision != "auto" and saved_precision not in (None, config.precision):
+        differ.append(f"precision: saved {saved_precision!r}, now {config.precision!r}")
     if differ:
         raise ValueError(f"cannot resume from {where}: the settings differ ({'; '.join(differ)})")
     if state.meta["model"] != _model_signature(model):

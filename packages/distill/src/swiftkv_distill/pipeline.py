@@ -40,6 +40,7 @@ from .data import (
 from .distill import DistillConfig, distill
 from .evaluate import EvalResult, evaluate
 from .export import export_student
+from .precision import check_precision
 from .report import format_table, write_report
 from .trainer_state import list_checkpoints
 
@@ -61,6 +62,7 @@ class DistillSettings:
     weighting: str = DEFAULT_WEIGHTING  # calibration rows: "attention" (each key's attention) or "uniform"
     steps: int = 0  # distillation steps after the calibration (0: calibration only)
     lr: float = 2e-4
+    precision: str = "auto"  # distillation arithmetic: "fp32", "bf16" (autocast) or "auto" (measured)
     greedy_tokens: int = 32  # greedy agreement over this many tokens per held-out prompt
     seed: int = 0
     device: str = "cpu"
@@ -83,6 +85,7 @@ class DistillSettings:
                 raise ValueError(f"{name} must be a finite number {must}, got {value!r}")
             if not ok(value):
                 raise ValueError(f"{name} must be {must}, got {value!r}")
+        check_precision(self.precision)
         if self.weighting not in WEIGHTINGS:
             raise ValueError(f"weighting must be one of {', '.join(WEIGHTINGS)}, got {self.weighting!r}")
         try:
@@ -115,9 +118,12 @@ class DistillSettings:
         )
 
     def cache_key(self) -> dict:
-        """What determines the student (not the device, which only changes the speed), and the
-        calibration's version (a student cached by an earlier fit is refitted)."""
-        return {k: v for k, v in asdict(self).items() if k != "device"} | {"calibration": CALIBRATION_VERSION}
+        """What determines the student (not the device, which only changes the speed, nor the
+        distillation's precision without distillation), and the calibration's version (a student
+        cached by an earlier fit is refitted)."""
+        unused = {"device"} | ({"precision"} if self.steps == 0 else set())
+        key = {k: v for k, v in asdict(self).items() if k not in unused}
+        return key | {"calibration": CALIBRATION_VERSION}
 
 
 @dataclass
@@ -247,14 +253,14 @@ def run_distill(
         results["calibrated"] = _evaluate(teacher, student, heldout, settings)
         t = time.perf_counter()
         train_batches = batches(train, settings.batch_tokens, pad, seed=settings.seed)
-        distill(
+        precision = distill(
             student,
             train_batches,
-            DistillConfig(steps=settings.steps, lr=settings.lr),
+            DistillConfig(steps=settings.steps, lr=settings.lr, precision=settings.precision),
             checkpoint_dir=checkpoint_dir,
             resume=resume,
             device=settings.device,
-        )
+        ).precision
         seconds["distill"] = time.perf_counter() - t
         state = {k: v.detach().cpu() for k, v in student.state_dict().items()}
     t = time.perf_counter()
@@ -270,7 +276,8 @@ def run_distill(
         results,
         seconds,
     )
-    write_report(out_dir, results, name="eval", settings=settings.cache_key(), seconds=seconds)
+    ran = {"distill_precision": precision} if settings.steps else {}  # what "auto" resolved to
+    write_report(out_dir, results, name="eval", settings=settings.cache_key() | ran, seconds=seconds)
     logger.info("\n%s", format_table(results))
     return report
 

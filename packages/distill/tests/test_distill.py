@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import json
 import logging
 import math
 
@@ -438,3 +439,9 @@ def test_a_resumed_run_keeps_the_precision_it_started_with(tmp_path, monkeypatch
         fp32 = DistillConfig(steps=3, checkpoint_every=1, precision="fp32")
         distill(model, _NeverRead(), fp32, checkpoint_dir=tmp_path, resume=True)
     assert _snapshot(model) == _snapshot(init)
+    meta_file = got.checkpoint / META_FILE  # a checkpoint from before `precision`: those ran fp32 on CPU
+    meta = json.loads(meta_file.read_text())
+    del meta["precision"]
+    meta_file.write_text(json.dumps(meta))
+    old = distill(copy.deepcopy(init), batches, auto, checkpoint_dir=tmp_path, resume=True, progress=False)
+    assert old.precision == "fp32" and old.start_step == 3

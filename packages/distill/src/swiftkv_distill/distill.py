@@ -236,8 +236,7 @@ def distill(
         trainable = trainable_parameters(model)
         for name, p in model.named_parameters():
             p.requires_grad_(name in trainable)
-        saved = state.meta.get("precision") if state is not None else None  # a resumed run keeps its own
-        precision = saved or resolve_precision(config.precision, model, device)
+        precision = _resumed_precision(state, device) or resolve_precision(config.precision, model, device)
         return _train(model, batches, config, trainable, state, ckpt_dir, device, precision, progress)
     finally:
         for name, p in model.named_parameters():
@@ -530,6 +529,14 @@ def _resume_state(
     if state.meta["trainable"] != shapes or set(state.params) != set(shapes):
         raise ValueError(f"cannot resume from {where}: its trainable tensors do not match this model's")
     return state
+
+
+def _resumed_precision(state: TrainerState | None, device: torch.device) -> str | None:
+    """The precision a resumed run started with (checkpoints from before `precision` ran fp32 on CPU
+    and bf16 on CUDA), so it goes on bit for bit; None for a fresh run."""
+    if state is None:
+        return None
+    return state.meta.get("precision") or ("bf16" if device.type == "cuda" else "fp32")
 
 
 def _jsonable(value):

@@ -248,12 +248,12 @@ def run_distill(
     )
     seconds["calibrate"] = time.perf_counter() - t
     student = _model(config, state, settings.device)
-    results = {}
+    results, ran = {}, {}
     if settings.steps:
         results["calibrated"] = _evaluate(teacher, student, heldout, settings)
         t = time.perf_counter()
         train_batches = batches(train, settings.batch_tokens, pad, seed=settings.seed)
-        precision = distill(
+        ran["distill_precision"] = distill(  # what "auto" resolved to
             student,
             train_batches,
             DistillConfig(steps=settings.steps, lr=settings.lr, precision=settings.precision),
@@ -276,7 +276,6 @@ def run_distill(
         results,
         seconds,
     )
-    ran = {"distill_precision": precision} if settings.steps else {}  # what "auto" resolved to
     write_report(out_dir, results, name="eval", settings=settings.cache_key() | ran, seconds=seconds)
     logger.info("\n%s", format_table(results))
     return report

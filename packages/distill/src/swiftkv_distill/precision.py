@@ -91,7 +91,7 @@ def resolve_precision(precision: str, model: SwiftKVForCausalLM, device: torch.d
 
 def _time_layer(model: SwiftKVForCausalLM, device: torch.device) -> tuple[float, float]:
     """Best-of-_MEASURE_REPEATS seconds of the last decoder layer's forward and backward (to its
-    input) on random tokens, fp32 and bf16 autocast, interleaved."""
+    input) on random tokens, fp32 and bf16 autocast, interleaved (CPU: no device to synchronize)."""
     c = model.config
     per_token = 2 * sum(p.numel() for p in model.model.layers[-1].parameters())  # FLOPs per token, forward
     rows = int(min(max(_MEASURE_FLOPS / (3 * per_token), _MEASURE_ROWS[0]), _MEASURE_ROWS[1]))
@@ -108,8 +108,6 @@ def _time_layer(model: SwiftKVForCausalLM, device: torch.device) -> tuple[float,
         with autocast(precision, device):
             out = training_forward(model, ids, swiftkv=False, compute_logits=False, start=(last, h))
         torch.autograd.grad(out.hidden.float().sum(), h)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
         return time.perf_counter() - t
 
     best = {"fp32": float("inf"), "bf16": float("inf")}

@@ -28,13 +28,16 @@ def assert_shares(summary: dict, steps: int) -> None:
     assert summary["steps"] == steps and summary["step_ms"] > 0
     shares = [summary[f"{c}_share"] for c in step_profile.CATEGORIES]
     assert sum(shares) == pytest.approx(1.0) and all(s >= 0 for s in shares)
-    assert summary["linear_share"] > 0 and summary["attention_share"] > 0
+    # attention runs in the per-op layers, or inside the decode stack where it was measured faster
+    assert summary["linear_share"] > 0 and summary["attention_share"] + summary["stack_share"] > 0
 
 
 def test_profiled_steps_split_into_linear_attention_and_rest():
     from swiftkv_fast.model.layers import Linear
 
-    llm = tiny_llm(2)  # SwiftKV on: first-half attention, second-half decode, the fused K/V projection
+    # SwiftKV on: first-half attention, second-half decode, the fused K/V projection; a forced kernel
+    # other than the panel GEMM keeps every decode step on the per-op path (no decode stack)
+    llm = tiny_llm(2, linear_kernel="matmul")
     prompts = engine.random_prompts(3, 12, llm.config.vocab_size)
     plain = engine.run_batch(llm, prompts, 4).texts
     runner, model = engine.model_runner(llm), engine.swiftkv_model(llm)

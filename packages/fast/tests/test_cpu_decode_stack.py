@@ -125,3 +125,23 @@ def test_bad_input_raises_before_anything_is_written(tiny):
     with pytest.raises(ValueError, match="slot is outside"):
         model.stacks[0].run(x, positions, [seq_lens], [tables], [slots], runner.kv_cache)
     assert torch.equal(x, h) and torch.equal(runner.kv_cache, cache_before)
+
+
+def test_stack_survives_the_state_dicts_storage_moving(tiny):
+    """The model's norms alias the caller's state dict; a tensor-parallel engine built from the same dict
+    moves its storage into shared memory (share_memory_) to send it to the workers. The stack points at
+    its own copies, so it still gives the per-op path's tokens and logits."""
+    cfg, state, _ = tiny(**TINY_MODELS["swiftkv_g1"])
+    per_op = LLM.from_state_dict(cfg, state, **ENGINE)
+    per_op.llm_engine.runner.model.stacks = (None, None)
+    fused = LLM.from_state_dict(cfg, state, **ENGINE)
+    for t in state.values():
+        t.share_memory_()  # new storage; the old one is freed
+    torch.randn(1 << 16).mul_(float("nan"))  # reuse freed memory for something else
+    prompts = random_prompts(3, cfg.vocab_size, [5, 11, 8], seed=6)
+    expected = per_op.generate(prompts, GREEDY, use_tqdm=False)
+    actual = fused.generate(prompts, GREEDY, use_tqdm=False)
+    assert fused.llm_engine.runner.model.stacks[0].calls > 0
+    for e, a in zip(expected, actual):
+        assert a.outputs[0].token_ids == e.outputs[0].token_ids
+        assert torch.equal(a.outputs[0].logits, e.outputs[0].logits)

@@ -103,8 +103,11 @@ def inject(monkeypatch, llm: LLM, point: str, fault: Fault) -> None:
     elif point == "swiftkv_kv_write":  # layers < L wrote their K/V; the fused K/V write of L.. fails
         fault.nth, fault.before = num_first_half_writes + 1, True
         monkeypatch.setattr(backend, "write_kv", fault.wrap(backend.write_kv))
-    elif point == "second_half":
+    elif point == "second_half":  # its per-op attention, or the decode stack where that runs
         monkeypatch.setattr(backend, "decode", fault.wrap(backend.decode))
+        stack = engine.runner.model.stacks[1]
+        if stack is not None:
+            monkeypatch.setattr(stack, "run", fault.wrap(stack.run))
     elif point == "sampling":
         monkeypatch.setattr(model_runner_module, "sample", fault.wrap(model_runner_module.sample))
     elif point == "output_processing":  # the first sampled request got its token, then it fails

@@ -3,9 +3,15 @@ applies; the model (model/swiftkv_model.py) runs its layers one op at a time eve
 
 It applies on CPU in fp32 without tensor parallelism, with the torch attention backend's compiled decode
 path, to a batch whose every row is one request's one token (the second half always; the first half in
-a step of decodes only), when the kernel chooser runs the panel GEMM at that row count for every
-linear of the run (`runs_at`, looked up once per row count). The result is the per-op path's, bit for
-bit: h with the last layer's MLP output added.
+a step of decodes only). Where the linear kernels are chosen by measurement, every linear keeps a
+panel GEMM layout and model/stack_timing.py times the stack against the per-op path at each decode
+row bucket on this machine (`decide`): the stack runs where it was faster, whatever each linear's
+own fastest kernel is (on a 2-core Intel Xeon MKL's matmul beat the panel GEMM by 1.1-1.3x for three
+of the four linears timed one by one, yet the stack's decode step took 42 ms against the per-op
+path's 61). Where a kernel is forced, the stack runs at a row count when the panel GEMM runs every
+linear of the run there (`runs_at`, looked up once per row count). Its result is then the per-op
+path's bit for bit (h with the last layer's MLP output added); where the per-op path runs another
+kernel, the two differ by fp32 reassociation.
 """
 
 from __future__ import annotations
@@ -45,9 +51,10 @@ class DecodeStack:
         self.num_groups = 1 + max((lw.group for lw in self.layers), default=0)
         self._kv_slot = kv_slot
         self._runs_at: dict[int, bool] = {}
+        self._decided: list[tuple[int, bool]] | None = None  # (max rows, runs) ascending (`decide`)
         self.calls = 0  # runs so far (tests, stats)
         self._fn = self._structs = None  # the kernel and its layer table (`_build`)
-        self._keep: list[torch.Tensor] = []  # the biases' fp32 copies the table points at
+        self._keep: list[torch.Tensor] = []  # the norms' and biases' own copies the table points at
         if all("panel" in lin.layouts for lw in self.layers for lin in _linears(lw)):
             self._build()  # compiled now (~1.5 s) rather than at a first decode step, where it would stall
 
@@ -86,10 +93,7 @@ class DecodeStack:
 
     def _linear(self, lin: Linear) -> StackLinear:
         panel = lin.layouts.get("panel")
-        bias = None
-        if lin.bias is not None:
-            bias = lin.bias.to(torch.float32).contiguous()
-            self._keep.append(bias)
+        bias = None if lin.bias is None else self._own(lin.bias)
         return StackLinear(
             None if panel is None else panel.packed.data_ptr(),
             None if bias is None else bias.data_ptr(),
@@ -97,10 +101,18 @@ class DecodeStack:
             lin.in_features,
         )
 
+    def _own(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy the table may point at for the stack's lifetime. The model's own tensors can alias a
+        caller's state dict, whose storage may move (share_memory_ when a tensor-parallel engine sends
+        its shards to the workers frees the old storage): a pointer into it would dangle."""
+        own = t.to(torch.float32).clone(memory_format=torch.contiguous_format)
+        self._keep.append(own)
+        return own
+
     def _layer(self, lw, slot: int) -> StackLayer:
         return StackLayer(
-            lw.input_norm.data_ptr(),
-            lw.post_norm.data_ptr(),
+            self._own(lw.input_norm).data_ptr(),
+            self._own(lw.post_norm).data_ptr(),
             self._linear(lw.qkv),
             self._linear(lw.o),
             self._linear(lw.gate_up),
@@ -111,14 +123,28 @@ class DecodeStack:
             int(self.writes_kv),
         )
 
+    def ready(self) -> bool:
+        """Every linear holds a panel layout and the kernel builds: the stack can run at any row count."""
+        return all("panel" in lin.layouts for lw in self.layers for lin in _linears(lw)) and self._build()
+
+    def decide(self, runs: dict[int, bool]) -> None:
+        """Measured decisions {bucket: runs} (model/stack_timing.py): `rows` rows use the first bucket
+        >= rows; above the last one the stack does not run."""
+        self._decided = sorted(runs.items())
+        self._runs_at.clear()
+
     def runs_at(self, rows: int) -> bool:
-        """The stack serves `rows` decode rows: the panel GEMM runs every linear at that count, and the
-        kernel builds here (compiled at construction where every linear keeps a panel layout, else at
-        the first such count)."""
+        """The stack serves `rows` decode rows: as measured where `decide` was called, else where the
+        panel GEMM runs every linear at that count; and the kernel builds (compiled at construction
+        where every linear keeps a panel layout, else at the first such count)."""
         runs = self._runs_at.get(rows)
         if runs is None:
-            runs = all(lin.panel_at(rows) is not None for lw in self.layers for lin in _linears(lw))
-            runs = runs and self._build()
+            if self._decided is not None:
+                bucket = next((r for b, r in self._decided if b >= rows), False)
+                runs = bucket and self.ready()
+            else:
+                runs = all(lin.panel_at(rows) is not None for lw in self.layers for lin in _linears(lw))
+                runs = runs and self._build()
             self._runs_at[rows] = runs
         return runs
 

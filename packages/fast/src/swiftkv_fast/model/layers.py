@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from swiftkv_fast.kernels import cpu_ops
 from swiftkv_fast.kernels.cpu_gemm import PanelWeight
-from swiftkv_fast.model.linear_kernels import KERNELS, KernelChoice
+from swiftkv_fast.model.linear_kernels import KERNELS, KernelChoice, nbytes
 
 
 class Linear:
@@ -41,6 +41,15 @@ class Linear:
         # x: (T, in_features) -> (T, out_features)
         run, layout = self._runs[bisect_left(self._bounds, x.shape[0])]
         return run(x, layout, self.bias)
+
+    def drop_spare_layouts(self) -> int:
+        """Frees the layouts no row count's kernel runs (a spare kept for the decode stack, which reads
+        `layouts["panel"]`); returns the bytes freed."""
+        used = {k for _, k in self.plan}
+        spare = [k for k in self.layouts if k not in used]
+        freed = sum(nbytes(self.layouts[k]) for k in spare)
+        self.layouts = {k: w for k, w in self.layouts.items() if k in used}
+        return freed
 
     def panel_at(self, rows: int) -> PanelWeight | None:
         """The panel GEMM's layout where it runs calls of `rows` rows, else None."""

@@ -297,6 +297,7 @@ class LinearKernelChooser:
     timer: Callable[[str, int, Callable[[], object]], float] = wall_time
     times: Times = field(default_factory=dict)
     extra_bytes: int = 0  # weight memory the kept layouts take beyond one copy of each weight
+    spare_bytes: int = 0  # weight memory of the spare layouts (`choose`), until they are dropped
     timed_cases: int = 0
     timed_seconds: float = 0.0
     failed: set[str] = field(default_factory=set)
@@ -316,10 +317,19 @@ class LinearKernelChooser:
         self._timed_shapes: set[str] = set()
 
     def choose(
-        self, name: str, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int, shared: bool = False
+        self,
+        name: str,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        max_rows: int,
+        shared: bool = False,
+        spare: str | None = None,
     ) -> KernelChoice:
         """The layouts and plan of one Linear over W (out, in) that runs at most `max_rows` rows.
-        `shared`: W's storage is kept anyway (the tied lm_head's embedding), so 'linear' costs nothing."""
+        `shared`: W's storage is kept anyway (the tied lm_head's embedding), so 'linear' costs nothing.
+        `spare`: a kernel whose layout is kept too where the plan does not use it, when the kernels are
+        chosen by measurement (the decode stack's panel GEMM: model/stack_timing.py times the stack
+        against the per-op path, then drops the spare where the stack does not run)."""
         if not self.on_cpu:
             return KernelChoice.single("linear", weight)
         layouts: dict[str, torch.Tensor] = {}
@@ -337,6 +347,11 @@ class LinearKernelChooser:
                 return self._without(k, name, weight, bias, max_rows, shared)
         layouts = {k: layouts[k] for k in kept}
         self.extra_bytes += self._extra_bytes(weight, layouts, shared)
+        if spare is not None and self.kernel == "auto" and spare not in layouts:
+            spare_layout: dict[str, torch.Tensor] = {}
+            if self._pack(spare, weight, spare_layout):
+                layouts[spare] = spare_layout[spare]
+                self.spare_bytes += nbytes(spare_layout[spare])
         self.choices[f"{name} ({weight.shape[0]}x{weight.shape[1]})"] = describe_plan(plan)
         _CHOICES.update(self.choices)
         return KernelChoice(layouts, plan)
@@ -443,11 +458,15 @@ class LinearKernelChooser:
         else:
             how = f"timings from {self.cache_path}"
         choices = "; ".join(f"{k}: {v}" for k, v in self.choices.items())
+        spare = ""
+        if self.spare_bytes:
+            spare = f" (and {self.spare_bytes / 2**20:.1f} MiB of spare panel layouts, until timed)"
         logger.info(
-            "linear kernels (%s): %s; kernel layouts cost %.1f MiB beyond one copy of each weight",
+            "linear kernels (%s): %s; kernel layouts cost %.1f MiB beyond one copy of each weight%s",
             how,
             choices,
             self.extra_bytes / 2**20,
+            spare,
         )
 
 

@@ -118,8 +118,12 @@ def build_weights(
     def cat_opt(names):
         return cat(names) if all(x in sd for x in names) else None
 
-    def linear(name, weight, bias=None, rows=every_row, shared=False):
-        return Linear(weight, bias, kernels.choose(name, weight, bias, rows, shared=shared))
+    # a decoder layer's linears keep a panel layout for the decode stack (model/decode_stack.py) until
+    # model/stack_timing.py has timed it against the per-op path on this machine
+    stack_spare = "panel" if dtype == torch.float32 and econf.tensor_parallel_size == 1 else None
+
+    def linear(name, weight, bias=None, rows=every_row, shared=False, spare=None):
+        return Linear(weight, bias, kernels.choose(name, weight, bias, rows, shared=shared, spare=spare))
 
     layers = []
     for i in range(n):
@@ -128,21 +132,25 @@ def build_weights(
         rows = every_row if i < L else sampled_rows
         if i < L:
             qkv = cat([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"])
-            qkv = linear("qkv", qkv, cat_opt([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]))
+            bias = cat_opt([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"])
+            qkv = linear("qkv", qkv, bias, spare=stack_spare)
         else:
             w, b = t(a + "q_proj_swiftkv.weight"), opt(a + "q_proj_swiftkv.bias")
-            qkv = linear("q_swiftkv", w, b, rows=rows)
+            qkv = linear("q_swiftkv", w, b, rows=rows, spare=stack_spare)
         c = config.cache_layer(i)
         layers.append(
             LayerWeights(
                 input_norm=t(p + "input_layernorm.weight"),
                 post_norm=t(p + "post_attention_layernorm.weight"),
                 qkv=qkv,
-                o=linear("o", t(a + "o_proj.weight"), rows=rows),
+                o=linear("o", t(a + "o_proj.weight"), rows=rows, spare=stack_spare),
                 gate_up=linear(
-                    "gate_up", cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]), rows=rows
+                    "gate_up",
+                    cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                    rows=rows,
+                    spare=stack_spare,
                 ),
-                down=linear("down", t(p + "mlp.down_proj.weight"), rows=rows),
+                down=linear("down", t(p + "mlp.down_proj.weight"), rows=rows, spare=stack_spare),
                 window=config.window(i),
                 cache_layer=c,
                 group=layout.group_of_cache_layer[c],

@@ -21,7 +21,9 @@ from swiftkv_fast.config import EngineConfig
 from swiftkv_fast.distributed.parallel_state import SINGLE, TensorParallelGroup
 from swiftkv_fast.model.kv_cache_layout import KVCacheLayout
 from swiftkv_fast.model.layers import RotaryTable
-from swiftkv_fast.model.loader import build_weights
+from swiftkv_fast.model.linear_kernels import cache_file, largest_cache_bytes, row_buckets
+from swiftkv_fast.model.loader import build_weights, kernel_cache_dir
+from swiftkv_fast.model.stack_timing import choose_decode_stacks
 from swiftkv_fast.model.swiftkv_model import SwiftKVModel
 from swiftkv_fast.model.tp_sharding import TensorParallelShard
 from swiftkv_fast.sampler import sample, top_logprobs
@@ -96,6 +98,16 @@ class ModelRunner:
             vocab_start=self.shard.vocab_start,
         )
         self.kv_cache = allocate_kv_cache(layout, self.num_blocks, self.device)
+        if self.device.type == "cpu" and econf.linear_kernel == "auto":
+            decode = min(econf.max_num_seqs, econf.max_num_batched_tokens)
+            weight_bytes = sum(t.numel() for t in state_dict.values()) * econf.dtype.itemsize
+            choose_decode_stacks(
+                self.model,
+                self.kv_cache,
+                [b for b in row_buckets(econf.max_num_seqs, econf.max_num_batched_tokens) if b <= decode],
+                cache_path=cache_file(kernel_cache_dir()),
+                cold=weight_bytes > largest_cache_bytes(),  # as the linear kernels were timed
+            )
         self.graphs = self.make_graphs()
 
     def make_graphs(self, *, emulate: bool = False, sizes: list[int] | None = None) -> SecondHalfGraphs:

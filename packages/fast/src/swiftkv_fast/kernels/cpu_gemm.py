@@ -219,7 +219,7 @@ static void gemm_pack_x(float *x, int64_t ldx, int64_t K, struct gemm_rows rows,
                 if (prologue == PROLOGUE_RMS_NORM)
                     for (int64_t k = 0; k < n; k++) c[k] = (xr[k] * scale[r]) * norm_w[k0 + k];
                 else if (prologue == PROLOGUE_SILU_MUL)
-                    for (int64_t k = 0; k < n; k++) c[k] = swiftkv_silu_mul(xr[k], xr[K + k]);
+                    swiftkv_silu_mul_row(xr, xr + K, c, n);
                 else
                     for (int64_t k = 0; k < n; k++) c[k] = xr[k];
             }

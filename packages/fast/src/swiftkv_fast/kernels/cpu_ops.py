@@ -54,7 +54,7 @@ int swiftkv_silu_and_mul(const float *gu, int64_t gu_stride, float *out, int64_t
     for (int64_t t = 0; t < T; t++) {
         const float *g = gu + t * gu_stride, *u = g + I;
         float *o = out + t * I;
-        for (int64_t i = 0; i < I; i++) o[i] = swiftkv_silu_mul(g[i], u[i]);
+        swiftkv_silu_mul_row(g, u, o, I);
     }
     return 0;
 }

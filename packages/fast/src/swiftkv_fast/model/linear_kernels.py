@@ -352,7 +352,9 @@ class LinearKernelChooser:
             if self._pack(spare, weight, spare_layout):
                 layouts[spare] = spare_layout[spare]
                 self.spare_bytes += nbytes(spare_layout[spare])
-        self.choices[f"{name} ({weight.shape[0]}x{weight.shape[1]})"] = describe_plan(plan)
+        # layers that run fewer rows (SwiftKV's second half: decode rows only) are named apart
+        rows = "" if max_rows >= max(self.row_buckets) else f" at <= {max_rows} rows"
+        self.choices[f"{name} ({weight.shape[0]}x{weight.shape[1]}){rows}"] = describe_plan(plan)
         _CHOICES.update(self.choices)
         return KernelChoice(layouts, plan)
 

@@ -203,6 +203,12 @@ def largest_cache_bytes() -> int:
     return max(sizes, default=64 << 20)
 
 
+def weights_exceed_cache(state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> bool:
+    """The model's weights in `dtype` exceed the CPU's largest cache: every step reads them from memory,
+    so kernels are timed `cold`."""
+    return sum(t.numel() for t in state_dict.values()) * dtype.itemsize > largest_cache_bytes()
+
+
 @cache
 def _eviction_buffer() -> torch.Tensor:
     return torch.ones(2 * largest_cache_bytes() // 4)  # (twice the largest cache,) fp32

@@ -12,7 +12,7 @@ from swiftkv_fast.config import EngineConfig
 from swiftkv_fast.logger import init_logger
 from swiftkv_fast.model.kv_cache_layout import KVCacheLayout
 from swiftkv_fast.model.layers import Linear
-from swiftkv_fast.model.linear_kernels import LinearKernelChooser, largest_cache_bytes, row_buckets
+from swiftkv_fast.model.linear_kernels import LinearKernelChooser, row_buckets, weights_exceed_cache
 from swiftkv_fast.model.swiftkv_model import LayerWeights, ModelWeights
 
 logger = init_logger(__name__)
@@ -94,13 +94,12 @@ def build_weights(
     per running request."""
     L, n = config.num_key_value_layers, config.num_hidden_layers
     dtype, device = econf.dtype, econf.device
-    weight_bytes = sum(t.numel() for t in sd.values()) * dtype.itemsize
     kernels = LinearKernelChooser(
         econf.linear_kernel,
         device,
         row_buckets(econf.max_num_seqs, econf.max_num_batched_tokens),
         cache_dir=kernel_cache_dir(),
-        cold=weight_bytes > largest_cache_bytes(),  # then every step reads its weights from memory
+        cold=weights_exceed_cache(sd, dtype),
     )
     every_row = econf.max_num_batched_tokens
     sampled_rows = min(econf.max_num_seqs, econf.max_num_batched_tokens)

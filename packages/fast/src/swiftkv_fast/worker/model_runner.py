@@ -21,7 +21,7 @@ from swiftkv_fast.config import EngineConfig
 from swiftkv_fast.distributed.parallel_state import SINGLE, TensorParallelGroup
 from swiftkv_fast.model.kv_cache_layout import KVCacheLayout
 from swiftkv_fast.model.layers import RotaryTable
-from swiftkv_fast.model.linear_kernels import cache_file, largest_cache_bytes, row_buckets
+from swiftkv_fast.model.linear_kernels import cache_file, row_buckets, weights_exceed_cache
 from swiftkv_fast.model.loader import build_weights, kernel_cache_dir
 from swiftkv_fast.model.stack_timing import choose_decode_stacks
 from swiftkv_fast.model.swiftkv_model import SwiftKVModel
@@ -100,13 +100,12 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(layout, self.num_blocks, self.device)
         if self.device.type == "cpu" and econf.linear_kernel == "auto":
             decode = min(econf.max_num_seqs, econf.max_num_batched_tokens)
-            weight_bytes = sum(t.numel() for t in state_dict.values()) * econf.dtype.itemsize
             choose_decode_stacks(
                 self.model,
                 self.kv_cache,
                 [b for b in row_buckets(econf.max_num_seqs, econf.max_num_batched_tokens) if b <= decode],
                 cache_path=cache_file(kernel_cache_dir()),
-                cold=weight_bytes > largest_cache_bytes(),  # as the linear kernels were timed
+                cold=weights_exceed_cache(state_dict, econf.dtype),  # as the linear kernels were timed
             )
         self.graphs = self.make_graphs()
 

@@ -29,6 +29,7 @@ from swiftkv_reference.model import SwiftKVForCausalLM
 from .calibrate import CALIBRATION_VERSION, DEFAULT_RIDGE, DEFAULT_WEIGHTING, WEIGHTINGS, calibrate
 from .data import (
     DEFAULT_HOLDOUT_SHARE,
+    DEFAULT_NUM_SAMPLES,
     DEFAULT_TEMPERATURE,
     Example,
     batches,
@@ -53,7 +54,7 @@ class DistillSettings:
 
     num_key_value_layers: int  # L: layers >= L take their K/V from layer L's input
     key_value_group_size: int = 1  # G: AcrossKV, G consecutive layers >= L share one KV cache
-    num_samples: int = 256  # teacher answers generated from the built-in prompts (without a data file)
+    num_samples: int = DEFAULT_NUM_SAMPLES  # teacher answers to the built-in prompts (without a data file)
     max_tokens: int = 256  # longest teacher answer
     temperature: float = DEFAULT_TEMPERATURE  # the teacher's sampling temperature
     holdout_share: float = DEFAULT_HOLDOUT_SHARE  # of the prompts, kept for evaluation only

@@ -55,8 +55,7 @@ class DecodeStack:
         self.calls = 0  # runs so far (tests, stats)
         self._fn = self._structs = None  # the kernel and its layer table (`_build`)
         self._keep: list[torch.Tensor] = []  # the norms' and biases' own copies the table points at
-        if all("panel" in lin.layouts for lw in self.layers for lin in _linears(lw)):
-            self._build()  # compiled now (~1.5 s) rather than at a first decode step, where it would stall
+        self.ready()  # compiled now (~1.5 s) where it can run, rather than at a first decode step
 
     def _build(self) -> bool:
         """Compile the kernel and fill the layer table (once); False where the kernel cannot serve."""
@@ -125,7 +124,8 @@ class DecodeStack:
 
     def ready(self) -> bool:
         """Every linear holds a panel layout and the kernel builds: the stack can run at any row count."""
-        return all("panel" in lin.layouts for lw in self.layers for lin in _linears(lw)) and self._build()
+        panels = all("panel" in lin.layouts for lw in self.layers for lin in layer_linears(lw))
+        return panels and self._build()
 
     def decide(self, runs: dict[int, bool]) -> None:
         """Measured decisions {bucket: runs} (model/stack_timing.py): `rows` rows use the first bucket
@@ -143,7 +143,7 @@ class DecodeStack:
                 bucket = next((r for b, r in self._decided if b >= rows), False)
                 runs = bucket and self.ready()
             else:
-                runs = all(lin.panel_at(rows) is not None for lw in self.layers for lin in _linears(lw))
+                runs = all(lin.panel_at(rows) is not None for lw in self.layers for lin in layer_linears(lw))
                 runs = runs and self._build()
             self._runs_at[rows] = runs
         return runs
@@ -223,5 +223,6 @@ class DecodeStack:
         return kv_cache.stride()[3:] == (row, self.head_dim, 1) and kv_cache.stride(2) == block_size * row
 
 
-def _linears(lw) -> tuple[Linear, ...]:
+def layer_linears(lw) -> tuple[Linear, ...]:
+    """A decoder layer's linears, in the order the stack runs them."""
     return lw.qkv, lw.o, lw.gate_up, lw.down

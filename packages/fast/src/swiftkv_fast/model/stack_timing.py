@@ -34,7 +34,7 @@ from swiftkv_fast.attention.base import AttentionMetadata
 from swiftkv_fast.kernels import cpu_decode_stack
 from swiftkv_fast.logger import init_logger
 from swiftkv_fast.model.cpu_contention import ContentionMeter, waited_seconds
-from swiftkv_fast.model.decode_stack import DecodeStack
+from swiftkv_fast.model.decode_stack import DecodeStack, layer_linears
 from swiftkv_fast.model.linear_kernels import (
     BUSY_SHARE,
     MAX_SAMPLES,
@@ -58,7 +58,7 @@ def stack_key(stack: DecodeStack, half: str, cold: bool) -> str:
     """The cache key of one half's timings: what they depend on beyond the machine (the layers' shapes,
     heads, the stack kernel's source)."""
     lw = stack.layers[0]
-    shapes = "/".join(f"{lin.out_features}x{lin.in_features}" for lin in (lw.qkv, lw.o, lw.gate_up, lw.down))
+    shapes = "/".join(f"{lin.out_features}x{lin.in_features}" for lin in layer_linears(lw))
     windows = ",".join(sorted({str(x.window or 0) for x in stack.layers}))
     source = hashlib.sha1(cpu_decode_stack.SOURCE.encode()).hexdigest()[:12]
     heads = f"{stack.num_heads}/{stack.num_kv_heads}x{stack.head_dim}"
@@ -133,7 +133,7 @@ def _time_half(model, half, rows_list, kv_cache, cold, timer, waited) -> tuple[d
     for rows in rows_list:
         calls = _calls(model, half, rows, kv_cache)
         with torch.inference_mode():
-            for _, call in calls.items():
+            for call in calls.values():
                 call()  # warm-up: the per-op path's first call of a row count builds its plans
         best_share = math.inf
         for _ in range(MAX_TRIES):
@@ -199,8 +199,7 @@ def choose_decode_stacks(
                 stack.decide({})
             described[name] = f"{len(layers)} layers: per-op (the stack does not apply here)"
         if not any(runs.values()):
-            linears = [lin for lw in layers for lin in (lw.qkv, lw.o, lw.gate_up, lw.down)]
-            freed += sum(lin.drop_spare_layouts() for lin in linears)
+            freed += sum(lin.drop_spare_layouts() for lw in layers for lin in layer_linears(lw))
     if new and cache_path is not None:
         save_times(cache_path, {**load_times(cache_path), **new})
     how = f"timed in {time.perf_counter() - start:.1f} s" if new else "timings cached"

@@ -48,8 +48,8 @@ LENGTHS = [
 @pytest.mark.parametrize("lengths", LENGTHS, ids=lambda c: str(c[0]))
 @pytest.mark.parametrize("avx512", [True, False], ids=["avx512", "8-lane"])
 def test_kernel_matches_naive_attention(heads, kv_heads, dim, block_size, window, lengths, avx512):
-    """Both register blocks (16 rows x 16 lanes where the compiler targets AVX-512, else the 6 x 2 x 8
-    of AVX2; avx512=False forces the latter) against the naive attention."""
+    """Both register blocks (32 query rows in two 16-lane vectors where the compiler targets AVX-512,
+    else 16 rows in two 8-lane vectors; avx512=False forces the latter) against the naive attention."""
     q_lens, kv_lens = lengths
     q, k, v, cu, lens, tables = prompt_case(
         0, heads=heads, kv_heads=kv_heads, dim=dim, block_size=block_size, q_lens=q_lens, kv_lens=kv_lens

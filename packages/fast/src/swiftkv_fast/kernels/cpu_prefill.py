@@ -8,30 +8,33 @@ copy, no padding between requests and no mask tensor.
 
 Work items are (request, KV head, tile of QUERY_TILE positions) on torch's own OpenMP thread pool, the
 tiles with the most keys first. An item holds the GROUP query heads of its KV head for its positions
-as one (GROUP * rows, D) block and walks only the keys its rows can see, in chunks of KEY_CHUNK, flash-
-style (running max and sum per row, the output rescaled as the max grows). First, in the same parallel
-region, every request's visible keys are transposed once per KV head into a (D, keys) panel, so that
-the scores are a small GEMM (and no tile transposes its keys again: a 640-token prompt's 20 tiles
-shared one transpose; 16 prompts of 480-780 tokens, interleaved on a 2-core AMD EPYC Zen 3: 120 ->
-105 ms per layer). Per chunk:
-- the scores: an RB x 16 register block of accumulators: where the compiler targets AVX-512, 16 rows
-  of one 16-wide key vector (of the panel) each, else (AVX2) 6 rows of two 8-wide vectors;
-- the softmax runs over each row's visible keys only (the causal diagonal and the window edge are
-  ranges, never masks), exp by the same Cephes polynomial as the decode kernel;
-- P @ V is a second small GEMM on V's rows as they lie in the blocks.
+as rows, and walks only the keys its rows can see, in chunks of KEY_CHUNK, flash-style (running max
+and sum per row, the output rescaled as the max grows). First, in the same parallel region, every
+request's visible keys are copied once per KV head into dense (keys, D) rows, which every tile of the
+request reads. Everything inside a tile is transposed, rows in the vector lanes:
+- the scores S^T (keys, rows) = K Q^T: a register block of RV row vectors (RV x VL query rows) by KB
+  keys, one vector of Q^T per dimension used by KB broadcast key values (AVX-512: 32 rows x 12 keys
+  in 24 of the 32 registers; AVX2: 16 rows x 6 keys in 12 of the 16);
+- the online softmax runs on VL rows at once: the running max and sum are vectors, and only the chunks
+  a row cannot wholly see (the causal diagonal, the window's edge, a tile's padded rows) mask, by
+  comparing each key's position with the rows' positions; exp is the Cephes polynomial of
+  cpu_compile.EXPF on vectors;
+- O^T (D, rows) += V^T P^T: a register block of RV row vectors by DB output columns, one P^T vector
+  per key used by DB broadcast values of that key's V row, read where it lies in its cache block.
 A causal prompt of n tokens thus costs about n^2 / 2 (+ n * QUERY_TILE / 2) scores, where a padded or
 per-request SDPA call on CPU computes whole 512-key splits.
 
-Measured against the SDPA paths it replaces, in one process on a 2-core AMD EPYC (AVX2), 6 fresh
-prompts of 480-800 tokens, 9 heads, 3 KV heads, head_dim 64, blocks scattered over the cache: 50 ms
-against 168 ms for one SDPA call per request and 149 ms for one padded call (3.3x / 2.9x); 640-token
-prompts 60 / 172 / 86 ms. In the engine (`python -m bench throughput --mixes prefill-heavy --profile`)
-attention is 20% of all the engine's time with it, against 27-28% before it on another such machine.
-The 16-lane blocks against the 8-lane ones on a 2-core AMD EPYC Zen 4 (AVX-512), 16 prompts of 480-800
-tokens, interleaved in one process, 30 rounds: 1.11x (median paired ratio; 126 against 113 GFLOP/s),
-bit-identical outputs (each output lane sums the same products in the same order). A 16-row P @ V
-block that keeps all HEAD_DIM columns of 4 rows in registers, loading each V row once per 4 rows
-instead of once per 16-column pass, measured the same (1.00x): the FMAs are not waiting on loads.
+Measured against the SDPA paths it replaces (the first version: rows in registers, K transposed), in
+one process on a 2-core AMD EPYC (AVX2), 6 fresh prompts of 480-800 tokens, 9 heads, 3 KV heads,
+head_dim 64, blocks scattered over the cache: 50 ms against 168 ms for one SDPA call per request and
+149 ms for one padded call (3.3x / 2.9x). Then, on a 2-core Intel Xeon (AVX-512), 16 prompts of 640
+(256) tokens, interleaved in one process: transposing the tile (rows in the lanes, no K transpose, the
+softmax on vectors) took 57-59 ms to 55-56; a register block of two row vectors instead of one
+(32 rows: half the loads of each key and V line per FMA) to 50-51 ms, 1.16x the first version in all
+(256 tokens: 11.8 -> 10.6 ms, 1.11x). The AVX2 blocks, built on the same machine without AVX-512
+(16 registers), measured the same as the first version's (71-72 ms). Transposing only the queries, or
+only the keys into 16-key panels, or swapping the loops over keys and rows, each alone, measured the
+same as before (within 2%); so did 64- or 256-key chunks, and tiles of 16 or 48 positions were slower.
 
 The source is compiled at first use for each (head_dim, group) by kernels/cpu_compile.py (-O3
 -march=native, OpenMP where torch uses it). Without a compiler, or when no build loads, `kernel()`
@@ -52,178 +55,189 @@ from swiftkv_fast.kernels import cpu_compile, cpu_decode
 
 ENV_SWITCH = "SWIFTKV_CPU_PREFILL_KERNEL"
 
-SOURCE = (
-    cpu_compile.EXPF
-    + r"""
+SOURCE = r"""
 #include <float.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define QUERY_TILE 32    /* positions per work item */
-#define KEY_CHUNK 128    /* keys per online-softmax step (a multiple of 16) */
-#define DV (HEAD_DIM / 8)
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
-typedef int32_t vi8 __attribute__((vector_size(32), aligned(4)));
+#define KEY_CHUNK 128    /* keys per online-softmax step */
 
 #if defined(__AVX512F__) && !SWIFTKV_NO_AVX512
-/* 32 vector registers of 16 lanes: 16 query rows x 16 keys (or 16 output columns) in 16 accumulators,
-   one key (or V) vector per step used by 16 broadcast values */
-#define RB 16            /* query rows per register block */
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-
-/* s[RB][16] (rows lds apart) = qs[RB][HEAD_DIM] . kt[HEAD_DIM][16] (rows ldk apart) */
-static inline void qk_block(const float *qs, const float *kt, int64_t ldk, float *s, int64_t lds) {
-    v16 acc[RB];
-    for (int r = 0; r < RB; r++) acc[r] = (v16){0};
-    for (int d = 0; d < HEAD_DIM; d++) {
-        const v16 k0 = *(const v16 *)(kt + d * ldk);
-        for (int r = 0; r < RB; r++) acc[r] += qs[r * HEAD_DIM + d] * k0;
-    }
-    for (int r = 0; r < RB; r++) *(v16 *)(s + r * lds) = acc[r];
-}
-
-/* o[RB][HEAD_DIM] += p[RB][nk] (rows ldp apart) . V rows vrow[0..nk) */
-static inline void pv_block(const float *p, int64_t ldp, const float *const *vrow, int64_t nk, float *o) {
-    for (int c = 0; c < HEAD_DIM; c += 16) {
-        v16 acc[RB];
-        for (int r = 0; r < RB; r++) acc[r] = *(const v16 *)(o + r * HEAD_DIM + c);
-        for (int64_t j = 0; j < nk; j++) {
-            const v16 v0 = *(const v16 *)(vrow[j] + c);
-            for (int r = 0; r < RB; r++) acc[r] += p[r * ldp + j] * v0;
-        }
-        for (int r = 0; r < RB; r++) *(v16 *)(o + r * HEAD_DIM + c) = acc[r];
-    }
-}
+/* 32 vector registers of 16 lanes */
+#define VL 16            /* lanes: query rows per vector */
+#define RV 2             /* row vectors per register block (32 rows) */
+#define KB 12            /* keys per QK register block: KB x RV = 24 accumulators */
+#define DB 8             /* output columns per PV register block: DB x RV = 16 accumulators */
 #else
-/* 16 vector registers of 8 lanes: 6 query rows x 16 keys (or columns) in 12 accumulators */
-#define RB 6             /* query rows per register block */
-/* s[RB][16] (rows lds apart) = qs[RB][HEAD_DIM] . kt[HEAD_DIM][16] (rows ldk apart) */
-static inline void qk_block(const float *qs, const float *kt, int64_t ldk, float *s, int64_t lds) {
-    v8 acc[RB][2];
-    for (int r = 0; r < RB; r++) acc[r][0] = acc[r][1] = (v8){0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int d = 0; d < HEAD_DIM; d++) {
-        const v8 k0 = *(const v8 *)(kt + d * ldk), k1 = *(const v8 *)(kt + d * ldk + 8);
-        for (int r = 0; r < RB; r++) {
-            const float x = qs[r * HEAD_DIM + d];
-            acc[r][0] += x * k0;
-            acc[r][1] += x * k1;
-        }
-    }
-    for (int r = 0; r < RB; r++) {
-        *(v8 *)(s + r * lds) = acc[r][0];
-        *(v8 *)(s + r * lds + 8) = acc[r][1];
-    }
-}
-
-/* o[RB][HEAD_DIM] += p[RB][nk] (rows ldp apart) . V rows vrow[0..nk) */
-static inline void pv_block(const float *p, int64_t ldp, const float *const *vrow, int64_t nk, float *o) {
-    for (int c = 0; c < HEAD_DIM; c += 16) {
-        v8 acc[RB][2];
-        for (int r = 0; r < RB; r++) {
-            acc[r][0] = *(const v8 *)(o + r * HEAD_DIM + c);
-            acc[r][1] = *(const v8 *)(o + r * HEAD_DIM + c + 8);
-        }
-        for (int64_t j = 0; j < nk; j++) {
-            const v8 v0 = *(const v8 *)(vrow[j] + c), v1 = *(const v8 *)(vrow[j] + c + 8);
-            for (int r = 0; r < RB; r++) {
-                const float x = p[r * ldp + j];
-                acc[r][0] += x * v0;
-                acc[r][1] += x * v1;
-            }
-        }
-        for (int r = 0; r < RB; r++) {
-            *(v8 *)(o + r * HEAD_DIM + c) = acc[r][0];
-            *(v8 *)(o + r * HEAD_DIM + c + 8) = acc[r][1];
-        }
-    }
-}
+/* 16 vector registers of 8 lanes */
+#define VL 8
+#define RV 2
+#define KB 6             /* 12 accumulators */
+#define DB 4             /* 8 accumulators */
 #endif
-#define TILE_ROWS (((QUERY_TILE * GROUP) + RB - 1) / RB * RB)
+#define BLOCK_ROWS (VL * RV)
+typedef float vec __attribute__((vector_size(4 * VL), aligned(4)));
+typedef int32_t vint __attribute__((vector_size(4 * VL), aligned(4)));
+/* query rows of a tile, padded to whole register blocks */
+#define TILE_ROWS ((QUERY_TILE * GROUP + BLOCK_ROWS - 1) / BLOCK_ROWS * BLOCK_ROWS)
+#define VECS (TILE_ROWS / VL)
 
-/* max(init, x[0..n)) */
-static inline float row_max(const float *x, int64_t n, float init) {
-    v8 m = {init, init, init, init, init, init, init, init};
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-        const v8 xj = *(const v8 *)(x + j);
-        const vi8 gt = xj > m;
-        m = (v8)(((vi8)xj & gt) | ((vi8)m & ~gt));
+static inline vec splat(float x) { return (vec){0} + x; }
+static inline vec vselect(vint mask, vec a, vec b) { return (vec)(((vint)a & mask) | ((vint)b & ~mask)); }
+static inline vec vmax(vec a, vec b) { return vselect(a > b, a, b); }
+
+/* swiftkv_expf on every lane (the same Cephes steps, so the same values) */
+static inline vec vexpf(vec x) {
+    x = vselect(x < splat(-87.0f), splat(-87.0f), x);
+    x = vselect(x > splat(88.0f), splat(88.0f), x);
+    const vec t = x * 1.44269504088896341f + 0.5f;
+    vint i = __builtin_convertvector(t, vint);
+    i += (vint)(t < __builtin_convertvector(i, vec));  /* truncation -> floor */
+    const vec n = __builtin_convertvector(i, vec);
+    const vec r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vec p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return p * (vec)((i + 127) << 23);
+}
+
+/* Scores of BLOCK_ROWS query rows against KB keys, transposed: sT[kk][0..BLOCK_ROWS) (rows lds apart)
+   = keys[kk] . qT[.][0..BLOCK_ROWS), qT (HEAD_DIM, ldq) the rows' queries by dimension, keys
+   (KB, HEAD_DIM) rows of the request's packed K */
+static inline void qk_block(const float *qT, int64_t ldq, const float *keys, float *sT, int64_t lds) {
+    vec acc[KB][RV];
+    for (int kk = 0; kk < KB; kk++)
+        for (int v = 0; v < RV; v++) acc[kk][v] = splat(0.f);
+    for (int d = 0; d < HEAD_DIM; d++) {
+        vec q[RV];
+        for (int v = 0; v < RV; v++) q[v] = *(const vec *)(qT + d * ldq + v * VL);
+        for (int kk = 0; kk < KB; kk++) {
+            const float k = keys[kk * HEAD_DIM + d];
+            for (int v = 0; v < RV; v++) acc[kk][v] += k * q[v];
+        }
     }
-    float mx = init;
-    for (int k = 0; k < 8; k++) mx = m[k] > mx ? m[k] : mx;
-    for (; j < n; j++) mx = x[j] > mx ? x[j] : mx;
-    return mx;
+    for (int kk = 0; kk < KB; kk++)
+        for (int v = 0; v < RV; v++) *(vec *)(sT + kk * lds + v * VL) = acc[kk][v];
+}
+
+/* oT[d0 + dd][0..BLOCK_ROWS) (rows ldo apart) += sum over j < nk of pT[j][0..BLOCK_ROWS) (rows ldp
+   apart) * vrow[j][d0 + dd], dd < DB */
+static inline void pv_block(const float *pT, int64_t ldp, const float *const *vrow, int64_t nk, int64_t d0,
+                            float *oT, int64_t ldo) {
+    vec acc[DB][RV];
+    for (int dd = 0; dd < DB; dd++)
+        for (int v = 0; v < RV; v++) acc[dd][v] = *(const vec *)(oT + (d0 + dd) * ldo + v * VL);
+    for (int64_t j = 0; j < nk; j++) {
+        vec p[RV];
+        for (int v = 0; v < RV; v++) p[v] = *(const vec *)(pT + j * ldp + v * VL);
+        const float *vj = vrow[j] + d0;
+        __asm__("" : "+r"(vj));  /* one pointer, the DB values at immediate offsets (else gcc keeps DB
+                                    offsets in registers and spills them) */
+        for (int dd = 0; dd < DB; dd++) {
+            const float x = vj[dd];
+            for (int v = 0; v < RV; v++) acc[dd][v] += x * p[v];
+        }
+    }
+    for (int dd = 0; dd < DB; dd++)
+        for (int v = 0; v < RV; v++) *(vec *)(oT + (d0 + dd) * ldo + v * VL) = acc[dd][v];
 }
 
 typedef struct {
-    float qs[TILE_ROWS * HEAD_DIM], o[TILE_ROWS * HEAD_DIM], m[TILE_ROWS], l[TILE_ROWS];
-    float s[TILE_ROWS * KEY_CHUNK];
+    float qT[HEAD_DIM * TILE_ROWS], oT[HEAD_DIM * TILE_ROWS];  /* (HEAD_DIM, TILE_ROWS) */
+    float sT[(KEY_CHUNK + KB) * TILE_ROWS];                     /* (keys, TILE_ROWS) */
+    vec m[VECS], l[VECS];       /* running max and sum of each row */
+    vint pos[VECS];             /* each row's position; -1 past the tile's rows */
+    int64_t pmin[VECS], pmax[VECS];
     const float *vrow[KEY_CHUNK];
 } Scratch;
 
-/* Rows [t0, t0 + nt) of one request's queries (positions pos0 + t) and KV head h: kt is its keys'
-   (HEAD_DIM, ldk) panel from position kt_first on, v its V (head h's values of block 0, row 0). */
-static void attend_tile(const float *q, int64_t q_stride, const float *kt, int64_t kt_first, int64_t ldk,
-                        const float *v, int64_t block_stride, const int32_t *bt, int64_t bs, int64_t row,
-                        int64_t pos0, int64_t nt, int64_t window, float scale, float *out,
-                        int64_t out_stride, Scratch *w) {
-    const int64_t rows = nt * GROUP, rows_pad = (rows + RB - 1) / RB * RB;
+/* Rows [t0, t0 + nt) of one request's queries (positions pos0 + t) and KV head h, a row per (position,
+   query head of the group): keys its packed K (ldk, HEAD_DIM) from position k_first on, v its V (head
+   h's values of block 0, row 0). */
+static void attend_tile(const float *q, int64_t q_stride, const float *keys, int64_t k_first, const float *v,
+                        int64_t block_stride, const int32_t *bt, int64_t bs, int64_t row, int64_t pos0,
+                        int64_t nt, int64_t window, float scale, float *out, int64_t out_stride, Scratch *w) {
+    const int64_t rows = nt * GROUP, rows_pad = (rows + BLOCK_ROWS - 1) / BLOCK_ROWS * BLOCK_ROWS;
     for (int64_t i = 0; i < rows_pad; i++) {
-        float *qi = w->qs + i * HEAD_DIM;
         if (i < rows) {
             const float *src = q + (i / GROUP) * q_stride + (i % GROUP) * HEAD_DIM;
-            for (int d = 0; d < HEAD_DIM; d++) qi[d] = src[d] * scale;
+            for (int d = 0; d < HEAD_DIM; d++) w->qT[d * TILE_ROWS + i] = src[d] * scale;
         } else {
-            memset(qi, 0, sizeof(float) * HEAD_DIM);
+            for (int d = 0; d < HEAD_DIM; d++) w->qT[d * TILE_ROWS + i] = 0.f;
         }
-        memset(w->o + i * HEAD_DIM, 0, sizeof(float) * HEAD_DIM);
-        w->m[i] = -FLT_MAX;
-        w->l[i] = 0.f;
+    }
+    memset(w->oT, 0, sizeof(w->oT));
+    for (int64_t rv = 0; rv < rows_pad / VL; rv++) {
+        w->m[rv] = splat(-FLT_MAX);
+        w->l[rv] = splat(0.f);
+        for (int lane = 0; lane < VL; lane++) {
+            const int64_t i = rv * VL + lane;
+            w->pos[rv][lane] = i < rows ? (int32_t)(pos0 + i / GROUP) : -1;
+        }
+        const int64_t first = rv * VL, last = first + VL - 1 < rows - 1 ? first + VL - 1 : rows - 1;
+        w->pmin[rv] = first + VL <= rows ? pos0 + first / GROUP : -1;  /* -1: a padded row, never full */
+        w->pmax[rv] = pos0 + last / GROUP;
     }
     const int64_t lo = window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0, hi = pos0 + nt;
     for (int64_t c0 = lo; c0 < hi; c0 += KEY_CHUNK) {
-        const int64_t nk = hi - c0 < KEY_CHUNK ? hi - c0 : KEY_CHUNK, nk_pad = (nk + 15) / 16 * 16;
+        const int64_t nk = hi - c0 < KEY_CHUNK ? hi - c0 : KEY_CHUNK;
         for (int64_t j = 0; j < nk; j++) {
             const int64_t p = c0 + j;
             w->vrow[j] = v + (int64_t)bt[p / bs] * block_stride + (p % bs) * row;
         }
-        const float *ktc = kt + (c0 - kt_first);
-        for (int64_t i = 0; i < rows_pad; i += RB)
-            for (int64_t j = 0; j < nk_pad; j += 16)
-                qk_block(w->qs + i * HEAD_DIM, ktc + j, ldk, w->s + i * KEY_CHUNK + j, KEY_CHUNK);
-        for (int64_t i = 0; i < rows_pad; i++) {
-            float *si = w->s + i * KEY_CHUNK;
-            const int64_t pos = pos0 + i / GROUP;
-            int64_t a = window > 0 ? pos - window + 1 - c0 : 0, b = pos + 1 - c0;
-            a = a < 0 ? 0 : a;
-            b = b > nk ? nk : b;
-            if (i >= rows || a >= b) {
-                memset(si, 0, sizeof(float) * nk);
-                continue;
+        /* every block of KB keys reads a full block: the packed K has KB - 1 rows to spare past it */
+        const float *kc = keys + (c0 - k_first) * HEAD_DIM;
+        for (int64_t i = 0; i < rows_pad; i += BLOCK_ROWS)
+            for (int64_t j = 0; j < nk; j += KB)
+                qk_block(w->qT + i, TILE_ROWS, kc + j * HEAD_DIM, w->sT + j * TILE_ROWS + i, TILE_ROWS);
+        /* the online softmax, VL rows at a time: masks only where a row of the vector cannot see a key
+           of the chunk (the causal diagonal, the window's edge, padded rows) */
+        for (int64_t rv = 0; rv < rows_pad / VL; rv++) {
+            float *col = w->sT + rv * VL;
+            const int full = w->pmin[rv] >= c0 + nk - 1 && (window <= 0 || c0 > w->pmax[rv] - window);
+            const vint pos = w->pos[rv], edge = pos - (int32_t)(window > 0 ? window : 0);
+            vec mx = w->m[rv], total = splat(0.f);
+            if (full) {
+                for (int64_t j = 0; j < nk; j++) mx = vmax(mx, *(const vec *)(col + j * TILE_ROWS));
+            } else {
+                for (int64_t j = 0; j < nk; j++) {
+                    const vint kp = (vint){0} + (int32_t)(c0 + j);
+                    vint seen = pos >= kp;
+                    if (window > 0) seen &= edge < kp;
+                    mx = vmax(mx, vselect(seen, *(const vec *)(col + j * TILE_ROWS), splat(-FLT_MAX)));
+                }
             }
-            const float mx = row_max(si + a, b - a, w->m[i]);
-            const float alpha = swiftkv_expf(w->m[i] - mx);
-            float total = 0.f;
-            for (int64_t j = 0; j < a; j++) si[j] = 0.f;
-            for (int64_t j = a; j < b; j++) {
-                const float e = swiftkv_expf(si[j] - mx);
-                si[j] = e;
+            const vec alpha = vexpf(w->m[rv] - mx);
+            for (int64_t j = 0; j < nk; j++) {
+                vec *s = (vec *)(col + j * TILE_ROWS);
+                vec e = vexpf(*s - mx);
+                if (!full) {
+                    const vint kp = (vint){0} + (int32_t)(c0 + j);
+                    vint seen = pos >= kp;
+                    if (window > 0) seen &= edge < kp;
+                    e = vselect(seen, e, splat(0.f));
+                }
+                *s = e;
                 total += e;
             }
-            for (int64_t j = b; j < nk; j++) si[j] = 0.f;
-            w->l[i] = w->l[i] * alpha + total;
-            w->m[i] = mx;
-            if (alpha != 1.f)
-                for (int d = 0; d < HEAD_DIM; d++) w->o[i * HEAD_DIM + d] *= alpha;
+            w->l[rv] = w->l[rv] * alpha + total;
+            w->m[rv] = mx;
+            for (int d = 0; d < HEAD_DIM; d++) *(vec *)(w->oT + d * TILE_ROWS + rv * VL) *= alpha;
         }
-        for (int64_t i = 0; i < rows_pad; i += RB)
-            pv_block(w->s + i * KEY_CHUNK, KEY_CHUNK, w->vrow, nk, w->o + i * HEAD_DIM);
+        for (int64_t i = 0; i < rows_pad; i += BLOCK_ROWS)
+            for (int64_t d0 = 0; d0 < HEAD_DIM; d0 += DB)
+                pv_block(w->sT + i, TILE_ROWS, w->vrow, nk, d0, w->oT + i, TILE_ROWS);
     }
     for (int64_t i = 0; i < rows; i++) {
         float *dst = out + (i / GROUP) * out_stride + (i % GROUP) * HEAD_DIM;
-        const float inv = 1.f / w->l[i];
-        for (int d = 0; d < HEAD_DIM; d++) dst[d] = w->o[i * HEAD_DIM + d] * inv;
+        const float inv = 1.f / w->l[i / VL][i % VL];
+        for (int d = 0; d < HEAD_DIM; d++) dst[d] = w->oT[d * TILE_ROWS + i] * inv;
     }
 }
 
@@ -259,47 +273,43 @@ int swiftkv_prefill_attention(const float *q, int64_t q_stride, const float *k, 
         first_item[r + 1] = first_item[r] + kv_heads * ((n + QUERY_TILE - 1) / QUERY_TILE);
     }
     const int64_t num_items = first_item[num_reqs], row = kv_heads * HEAD_DIM, heads = kv_heads * GROUP;
-    /* K^T of every request's visible keys, per KV head a (HEAD_DIM, ld) panel: kt_first[r] is the first
-       position its queries see, kt_ld[r] the panel's row length (its key count rounded up to 16, plus
-       16: a tile's chunk may start off the 16-key grid under a window, and reads a full 16-key block) */
-    int64_t *kt_first = malloc(sizeof(int64_t) * 3 * (num_reqs + 1)), *kt_ld = kt_first + num_reqs + 1;
-    int64_t *kt_off = kt_ld + num_reqs + 1;
-    if (kt_first == NULL) {
+    /* every request's visible keys, per KV head as dense (keys, HEAD_DIM) rows: k_first[r] is the first
+       position its queries see, k_rows[r] the rows (its key count plus KB zero rows, which the last
+       register block of a chunk may read) */
+    int64_t *k_first = malloc(sizeof(int64_t) * 3 * (num_reqs + 1)), *k_rows = k_first + num_reqs + 1;
+    int64_t *k_off = k_rows + num_reqs + 1;
+    if (k_first == NULL) {
         free(first_item);
         return 1;
     }
-    kt_off[0] = 0;
+    k_off[0] = 0;
     for (int64_t r = 0; r < num_reqs; r++) {
         const int64_t n = cu_q[r + 1] - cu_q[r], s = seq_lens[r], pos0 = s - n;
-        kt_first[r] = window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0;
-        kt_ld[r] = n > 0 ? (s - kt_first[r] + 15) / 16 * 16 + 16 : 0;
-        kt_off[r + 1] = kt_off[r] + kv_heads * HEAD_DIM * kt_ld[r];
+        k_first[r] = window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0;
+        k_rows[r] = n > 0 ? s - k_first[r] + KB : 0;
+        k_off[r + 1] = k_off[r] + kv_heads * HEAD_DIM * k_rows[r];
     }
-    float *kt = malloc(sizeof(float) * (kt_off[num_reqs] > 0 ? kt_off[num_reqs] : 1));
-    if (kt == NULL) {
-        free(kt_first);
+    float *packed = malloc(sizeof(float) * (k_off[num_reqs] > 0 ? k_off[num_reqs] : 1));
+    if (packed == NULL) {
+        free(k_first);
         free(first_item);
         return 1;
     }
     int failed = 0;
     #pragma omp parallel num_threads(num_threads)
     {
-        /* the panels first: a request per item, every KV head of it */
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < num_reqs; r++) {
-            const int64_t ld = kt_ld[r], first = kt_first[r];
             const int32_t *bt = block_tables + r * bt_stride;
-            for (int64_t j = 0; j < ld; j++) {
-                const int64_t p = first + j;
-                for (int64_t h = 0; h < kv_heads; h++) {
-                    float *dst = kt + kt_off[r] + h * HEAD_DIM * ld + j;
-                    if (p < seq_lens[r]) {
-                        const float *kr =
-                            k + (int64_t)bt[p / bs] * block_stride + (p % bs) * row + h * HEAD_DIM;
-                        for (int d = 0; d < HEAD_DIM; d++) dst[d * ld] = kr[d];
-                    } else {
-                        for (int d = 0; d < HEAD_DIM; d++) dst[d * ld] = 0.f;
-                    }
+            for (int64_t h = 0; h < kv_heads; h++) {
+                float *dst = packed + k_off[r] + h * HEAD_DIM * k_rows[r];
+                for (int64_t j = 0; j < k_rows[r]; j++) {
+                    const int64_t p = k_first[r] + j;
+                    if (p < seq_lens[r])
+                        memcpy(dst + j * HEAD_DIM, k + (int64_t)bt[p / bs] * block_stride + (p % bs) * row
+                                                       + h * HEAD_DIM, sizeof(float) * HEAD_DIM);
+                    else
+                        memset(dst + j * HEAD_DIM, 0, sizeof(float) * HEAD_DIM);
                 }
             }
         }
@@ -318,7 +328,7 @@ int swiftkv_prefill_attention(const float *q, int64_t q_stride, const float *k, 
             const int64_t t0 = (num_tiles - 1 - local / kv_heads) * QUERY_TILE;  /* most keys first */
             const int64_t nt = n - t0 < QUERY_TILE ? n - t0 : QUERY_TILE;
             const int64_t offset = ((int64_t)cu_q[r] + t0) * q_stride + h * GROUP * HEAD_DIM;
-            attend_tile(q + offset, q_stride, kt + kt_off[r] + h * HEAD_DIM * kt_ld[r], kt_first[r], kt_ld[r],
+            attend_tile(q + offset, q_stride, packed + k_off[r] + h * HEAD_DIM * k_rows[r], k_first[r],
                         v + h * HEAD_DIM, block_stride, block_tables + r * bt_stride, bs, row,
                         seq_lens[r] - n + t0, nt, window, scale,
                         out + ((int64_t)cu_q[r] + t0) * heads * HEAD_DIM + h * GROUP * HEAD_DIM,
@@ -326,13 +336,12 @@ int swiftkv_prefill_attention(const float *q, int64_t q_stride, const float *k, 
         }
         free(w);
     }
-    free(kt);
-    free(kt_first);
+    free(packed);
+    free(k_first);
     free(first_item);
     return failed;
 }
 """
-)
 
 
 def enabled() -> bool:
@@ -341,8 +350,8 @@ def enabled() -> bool:
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """The kernel applies: where the decode kernel does (fp32 CPU tensors, group at most
-    cpu_decode.MAX_GROUP, head_dim at most 256) and head_dim is a multiple of 16 (two 8-wide vectors per
-    register block)."""
+    cpu_decode.MAX_GROUP, head_dim at most 256) and head_dim is a multiple of 16 (whole output-column
+    blocks of the P V product)."""
     return cpu_decode.supports(q, k_cache) and k_cache.shape[-1] % 16 == 0
 
 

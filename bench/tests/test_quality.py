@@ -173,3 +173,59 @@ def test_plot(case, tmp_path, with_speed):
     speed = {s: _speed(1.0 + i) for i, s in enumerate(SPLITS)} if with_speed else None
     path = quality.plot(rows, speed, tmp_path)
     assert path == tmp_path / "quality.png" and path.stat().st_size > 0
+
+
+def test_cross_validation_scores_each_fold_by_a_fit_on_the_others(case):
+    """--folds: every example is scored once, by students fitted on the other folds only (the same
+    figures as fitting those folds directly and scoring the fold), the folds pooled with their standard
+    error; the teacher is untouched."""
+    from swiftkv_distill.calibrate import calibrate
+    from swiftkv_distill.data import batches, split_folds
+    from swiftkv_distill.evaluate import EvalResult, evaluate
+    from swiftkv_distill.pipeline import _model
+    from swiftkv_reference.checkpoint import swiftkv_init
+
+    teacher, before, train, heldout, _ = case
+    examples = train + heldout
+    folds = split_folds(examples, 3, seed=0)
+    settings = _settings(teacher.config)
+    rows = quality.cross_validate_splits(teacher, folds, settings)
+    assert [(*quality._split(r), r["method"]) for r in rows] == [
+        (L, G, m) for L, G in SPLITS for m in quality.METHODS
+    ]
+    for r in rows:
+        assert r["folds"] == 3 and len(r["fold_top1_agreement"]) == 3
+        assert r["num_examples"] == len(examples) and r["top1_agreement_se"] >= 0 and r["kl_se"] >= 0
+        assert min(r["fold_top1_agreement"]) <= r["top1_agreement"] <= max(r["fold_top1_agreement"])
+    by = {(*quality._split(r), r["method"]): r for r in rows}
+    init = evaluate(
+        teacher, _model(*swiftkv_init(teacher.config, before, 3, 2), "cpu"), examples, greedy_tokens=0
+    )
+    assert by[3, 2, "snowflake init"]["top1_agreement"] == pytest.approx(init.top1_agreement)
+    direct = []  # L = 3, G = 1 calibrated on two folds, scored on the third, by hand
+    for f, fold in enumerate(folds):
+        rest = [e for g, other in enumerate(folds) if g != f for e in other]
+        student = _model(
+            *calibrate(teacher, batches(rest, settings[0].batch_tokens, 0), 3, progress=False), "cpu"
+        )
+        direct.append(evaluate(teacher, student, fold, greedy_tokens=0))
+    pooled = EvalResult.pooled(direct)
+    got = by[3, 1, "calibrated"]
+    assert got["fold_top1_agreement"] == pytest.approx([r.top1_agreement for r in direct], abs=1e-9)
+    assert got["kl"] == pytest.approx(pooled.kl, rel=1e-4)
+    assert got["top1_agreement"] == pytest.approx(pooled.top1_agreement, abs=1e-9)
+    assert by[3, 1, "distilled"]["fit_seconds"] >= got["fit_seconds"]
+    after = teacher.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+    text = quality.table(rows, None, N, {**_data(rows), "folds": 3}, greedy_tokens=0).render()
+    assert "3-fold cross-validation by prompt" in text and " +- " in text and "other 2" in text
+    with pytest.raises(ValueError, match="at least 2 non-empty folds"):
+        quality.cross_validate_splits(teacher, [examples], settings)
+
+
+def test_folds_option():
+    assert quality._folds("10") == 10
+    for bad in ("0", "-2", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--folds must be an integer >= 1"):
+            quality._folds(bad)

@@ -8,7 +8,14 @@ import sys
 import pytest
 import torch
 from swiftkv_distill.batch import Batch
-from swiftkv_distill.calibrate import VALUE_PRIOR_QUERIES, Accumulator, CalibrationError, calibrate
+from swiftkv_distill.calibrate import (
+    VALUE_PRIOR_QUERIES,
+    Accumulator,
+    CalibrationError,
+    calibrate,
+    collect_statistics,
+    fit,
+)
 from swiftkv_distill.forward import training_forward
 from swiftkv_reference.checkpoint import CheckpointError, check_state_dict, swiftkv_init
 from swiftkv_reference.config import ConfigError
@@ -365,3 +372,45 @@ def test_statistics_larger_than_the_device_are_refused_before_reading_data(monke
     monkeypatch.setattr(module, "device_memory_bytes", lambda device: need)
     with pytest.raises(CalibrationError, match="no calibration rows"):
         calibrate(teacher, [], 2, progress=False)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2_hybrid_bias"])
+@pytest.mark.parametrize("group, weighting", [(1, "attention"), (2, "attention"), (2, "uniform")])
+def test_statistics_of_parts_add_up_to_the_whole(name, group, weighting):
+    """K-fold cross-validation's arithmetic: the statistics of disjoint parts of the data, added, fit
+    what one pass over all of it fits (the value prior counts the sum's queries), and fitting leaves the
+    statistics as they were (a sum is fitted once per fold)."""
+    teacher = tiny_model(tiny_config(**PLAIN_MODELS[name]), seed=3)
+    parts = [_random_batches(teacher.config.vocab_size, n, seed=i) for i, n in enumerate((2, 1, 3))]
+    every = [b for part in parts for b in part]
+    whole = calibrate(teacher, every, 2, group, weighting=weighting, progress=False)
+    stats = [collect_statistics(teacher, p, 2, group, weighting=weighting, progress=False) for p in parts]
+    total = sum(stats[1:], stats[0].empty()) + stats[0]
+    assert total.num_tokens == sum(s.num_tokens for s in stats)
+    assert total.num_queries == sum(s.num_queries for s in stats)
+    before = total.accumulator.copy()
+    for _ in range(2):
+        config, state = fit(teacher, total)
+        assert config == whole[0] and set(state) == set(whole[1])
+        for key, value in whole[1].items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    assert torch.equal(total.accumulator.sts, before.sts) and torch.equal(total.accumulator.sty, before.sty)
+    # one part's fit differs from the whole's: the sum above is not trivially one part
+    one = fit(teacher, stats[2])[1]
+    assert any(not torch.allclose(one[k], whole[1][k]) for k in whole[1] if "_swiftkv" in k)
+
+
+def test_statistics_of_different_fits_do_not_add_up():
+    teacher = tiny_model(tiny_config(num_hidden_layers=5), seed=3)
+    data = _random_batches(teacher.config.vocab_size, 1, seed=0)
+    a = collect_statistics(teacher, data, 2, progress=False)
+    for other in (
+        collect_statistics(teacher, data, 3, progress=False),
+        collect_statistics(teacher, data, 2, weighting="uniform", progress=False),
+    ):
+        with pytest.raises(ValueError, match="do not add up"):
+            a + other
+    with pytest.raises(ValueError, match="same fits"):
+        a.accumulator + Accumulator(3, {0: 2})
+    with pytest.raises(CalibrationError, match="no calibration rows"):
+        fit(teacher, a.empty())

@@ -15,6 +15,7 @@ from swiftkv_distill.data import (
     builtin_prompts,
     generate_teacher_data,
     load_jsonl,
+    split_folds,
     split_holdout,
 )
 from swiftkv_reference.tokenizer import chat_token_ids
@@ -193,6 +194,27 @@ def test_split_is_deterministic_disjoint_and_independent_of_order():
     # more data moves no example across the split
     held_more = {e.key for e in split_holdout(_examples(800), share=0.1, seed=0)[1]}
     assert held_more & (train_keys | held_keys) == held_keys
+
+
+def test_folds_cover_every_example_once_by_prompt_and_are_balanced():
+    examples = _examples(23, per_key=3)
+    folds = split_folds(examples, 5, seed=0)
+    assert split_folds(examples, 5, seed=0) == folds
+    assert sorted(id(e) for f in folds for e in f) == sorted(id(e) for e in examples)
+    keys = [{e.key for e in f} for f in folds]
+    assert all(not a & b for i, a in enumerate(keys) for b in keys[i + 1 :])  # a prompt in one fold
+    assert sorted(len(k) for k in keys) == [4, 4, 5, 5, 5]
+    assert sum(len(k) for k in keys) == 23
+    for fold in folds:  # input order kept
+        assert fold == [e for e in examples if e in fold]
+    shuffled = list(examples)
+    random.Random(1).shuffle(shuffled)
+    assert [{e.key for e in f} for f in split_folds(shuffled, 5, seed=0)] == keys
+    assert [{e.key for e in f} for f in split_folds(examples, 5, seed=1)] != keys
+    with pytest.raises(ValueError, match="k >= 2"):
+        split_folds(examples, 1)
+    with pytest.raises(ValueError, match="24 folds need at least 24 distinct prompts, got 23"):
+        split_folds(examples, 24)
 
 
 def test_split_holds_out_at_least_one_prompt_and_keeps_one_for_training():

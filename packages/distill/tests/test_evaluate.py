@@ -167,3 +167,37 @@ def test_eval_result_round_trips_and_validates_itself():
         _result(greedy_agreement=None)
     with pytest.raises(ValueError, match=r"missing \['kl'\], unknown \['extra'\]"):
         EvalResult.from_dict({**{k: v for k, v in r.to_dict().items() if k != "kl"}, "extra": 1})
+
+
+def test_pooled_results_weigh_tokens_and_greedy_prompts():
+    a = _result(
+        num_answer_tokens=30,
+        top1_agreement=0.6,
+        kl=0.4,
+        student_perplexity=4.0,
+        num_greedy_prompts=1,
+        greedy_agreement=1.0,
+    )
+    b = _result(
+        num_answer_tokens=10,
+        top1_agreement=1.0,
+        kl=0.0,
+        student_perplexity=16.0,
+        num_greedy_prompts=3,
+        greedy_agreement=0.0,
+        num_examples=5,
+    )
+    p = EvalResult.pooled([a, b])
+    assert p.num_examples == 8 and p.num_answer_tokens == 40 and p.num_greedy_prompts == 4
+    assert p.top1_agreement == pytest.approx(0.7) and p.kl == pytest.approx(0.3)
+    assert p.student_perplexity == pytest.approx(math.exp((30 * math.log(4) + 10 * math.log(16)) / 40))
+    assert p.teacher_perplexity == pytest.approx(4.0) and p.greedy_agreement == pytest.approx(0.25)
+    assert EvalResult.pooled([a]) == a
+    no_greedy = dict(greedy_tokens=0, greedy_agreement=None, num_greedy_prompts=0)
+    assert EvalResult.pooled([_result(**no_greedy)] * 2).greedy_agreement is None
+    with pytest.raises(ValueError, match="nothing to pool"):
+        EvalResult.pooled([])
+    with pytest.raises(ValueError, match="one student shape"):
+        EvalResult.pooled([a, _result(num_key_value_layers=20)])
+    with pytest.raises(ValueError, match="same number of greedy tokens"):
+        EvalResult.pooled([a, _result(**no_greedy)])

@@ -3,10 +3,12 @@
 Modules (one concept each):
     batch      `Batch`: right-padded sequences with the answer tokens marked
     forward    `training_forward`: the differentiable dense forward (teacher and SwiftKV paths)
-    calibrate  `calibrate`, `Accumulator`: the closed-form ridge fit of k/v_proj_swiftkv
+    calibrate  `calibrate` (`collect_statistics`, then `fit`), `CalibrationStatistics`, `Accumulator`:
+               the closed-form ridge fit of k/v_proj_swiftkv
     export     `export_student`: the student as a Hugging Face directory
     data       `Example`, `builtin_prompts`, `generate_teacher_data`, `load_jsonl`, `split_holdout`,
-               `batches`: the teacher's own answers (or the user's JSONL), the held-out split, batching
+               `split_folds`, `batches`: the teacher's own answers (or the user's JSONL), the held-out
+               split or cross-validation folds, batching
     distill    `DistillConfig`, `distill`: Snowflake's distillation of the SwiftKV parameters
     evaluate   `evaluate`, `EvalResult`: the student against the teacher on held-out data
     report     `format_table`, `write_report`: the evaluation as a table, JSON and a plot
@@ -19,8 +21,24 @@ Modules (one concept each):
 """
 
 from .batch import Batch
-from .calibrate import DEFAULT_RIDGE, Accumulator, CalibrationError, calibrate
-from .data import Example, batches, builtin_prompts, generate_teacher_data, load_jsonl, split_holdout
+from .calibrate import (
+    DEFAULT_RIDGE,
+    Accumulator,
+    CalibrationError,
+    CalibrationStatistics,
+    calibrate,
+    collect_statistics,
+    fit,
+)
+from .data import (
+    Example,
+    batches,
+    builtin_prompts,
+    generate_teacher_data,
+    load_jsonl,
+    split_folds,
+    split_holdout,
+)
 from .distill import DistillConfig, DistillResult, distill
 from .evaluate import EvalResult, evaluate
 from .export import export_student
@@ -32,6 +50,7 @@ __all__ = [
     "Accumulator",
     "Batch",
     "CalibrationError",
+    "CalibrationStatistics",
     "DistillConfig",
     "DistillReport",
     "DistillResult",
@@ -43,12 +62,15 @@ __all__ = [
     "builtin_prompts",
     "cached_student",
     "calibrate",
+    "collect_statistics",
     "distill",
     "evaluate",
     "export_student",
+    "fit",
     "generate_teacher_data",
     "load_jsonl",
     "run_distill",
+    "split_folds",
     "split_holdout",
     "training_forward",
 ]

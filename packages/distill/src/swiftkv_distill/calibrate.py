@@ -59,16 +59,22 @@ Everything calibration does not fit comes from Snowflake's initialisation
 with it), q_proj_swiftkv[i] = q_proj[i]; the teacher's tensors are kept unchanged.
 
     config, state = calibrate(teacher, batches, num_key_value_layers=15)   # a full SwiftKV state dict
+
+calibrate is `fit(teacher, collect_statistics(teacher, batches, 15))`: the statistics of disjoint data
+add up (`CalibrationStatistics`), so cross-validation (`python -m bench quality --folds K`) reads the
+data once and fits every fold's complement from sums.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Hashable, Iterable, Mapping
+from dataclasses import dataclass
 
 import torch
-from swiftkv_reference.checkpoint import swiftkv_init
+from swiftkv_reference.checkpoint import swiftkv_config, swiftkv_init
 from swiftkv_reference.config import SwiftKVConfig
 from swiftkv_reference.memory import device_memory_bytes
 from swiftkv_reference.model import RMSNorm, SwiftKVForCausalLM
@@ -136,6 +142,27 @@ class Accumulator:
     @property
     def nbytes(self) -> int:
         return self.sts.numel() * self.sts.element_size() + self.sty.numel() * self.sty.element_size()
+
+    def __add__(self, other: Accumulator) -> Accumulator:
+        """The normal equations of both accumulators' rows together (a new Accumulator): the fit of the
+        union of their data."""
+        if not isinstance(other, Accumulator):
+            return NotImplemented
+        shape = (self.in_features, self.out_features, self.bias, self.weighted)
+        if shape != (other.in_features, other.out_features, other.bias, other.weighted):
+            raise ValueError("only accumulators of the same fits (shapes, keys, bias, weighting) add up")
+        total = Accumulator(self.in_features, self.out_features, self.bias, self.sts.device, self.weighted)
+        total.sts = self.sts + other.sts.to(self.sts.device)
+        total.sty = self.sty + other.sty.to(self.sty.device)
+        total._rows = {key: rows + other._rows[key] for key, rows in self._rows.items()}
+        total.num_rows = max(total._rows.values())
+        return total
+
+    def copy(self) -> Accumulator:
+        out = Accumulator(self.in_features, self.out_features, self.bias, self.sts.device, self.weighted)
+        out.sts, out.sty = self.sts.clone(), self.sty.clone()
+        out._rows, out.num_rows = dict(self._rows), self.num_rows
+        return out
 
     def update(
         self,
@@ -231,6 +258,45 @@ class Accumulator:
         return fits
 
 
+@dataclass
+class CalibrationStatistics:
+    """What a calibration pass over some data leaves: the fp64 normal equations of every fit
+    (`Accumulator`) and the token counts the fit needs. Statistics of disjoint data add up to those of
+    their union, so K-fold cross-validation reads each fold once and fits each fold's complement from
+    the sums:
+
+        parts = [collect_statistics(teacher, batches(fold), 15) for fold in folds]
+        config, state = fit(teacher, sum(parts[1:], parts[0].empty()))   # scored on folds[0]
+    """
+
+    num_key_value_layers: int
+    key_value_group_size: int
+    weighting: str
+    accumulator: Accumulator
+    num_tokens: int  # key rows (every real token, or the answer tokens with answers_only)
+    num_queries: int  # answer tokens
+
+    def __add__(self, other: CalibrationStatistics) -> CalibrationStatistics:
+        if not isinstance(other, CalibrationStatistics):
+            return NotImplemented
+        mine = (self.num_key_value_layers, self.key_value_group_size, self.weighting)
+        theirs = (other.num_key_value_layers, other.key_value_group_size, other.weighting)
+        if mine != theirs:
+            raise ValueError(f"calibration statistics of (L, G, weighting) {mine} and {theirs} do not add up")
+        return dataclasses.replace(
+            self,
+            accumulator=self.accumulator + other.accumulator,
+            num_tokens=self.num_tokens + other.num_tokens,
+            num_queries=self.num_queries + other.num_queries,
+        )
+
+    def empty(self) -> CalibrationStatistics:
+        """Statistics of no data with the same fits (the start of a sum)."""
+        acc = self.accumulator
+        zero = Accumulator(acc.in_features, acc.out_features, acc.bias, acc.sts.device, acc.weighted)
+        return dataclasses.replace(self, accumulator=zero, num_tokens=0, num_queries=0)
+
+
 def calibrate(
     teacher: SwiftKVForCausalLM,
     batches: Iterable[Batch],
@@ -244,27 +310,46 @@ def calibrate(
 ) -> tuple[SwiftKVConfig, dict[str, torch.Tensor]]:
     """A SwiftKV (config, state_dict) whose k/v_proj_swiftkv are fitted to `teacher` (a plain model,
     L == N) on `batches`; every other tensor as `swiftkv_init` sets it (Snowflake's names, the
-    teacher's dtype, on CPU). Key rows (and value rows with uniform weighting): every real token, or
-    only the answer tokens with answers_only; the attention weighting's queries are the answer tokens.
-    One teacher forward per batch, on the teacher's device, without gradients; a tqdm bar over batches.
-    L, G, ridge and the teacher are checked before any batch is read."""
-    if not ridge >= 0:
-        raise ValueError(f"ridge must be >= 0, got {ridge}")
+    teacher's dtype, on CPU): `fit` of `collect_statistics`. L, G, ridge and the teacher are checked
+    before any batch is read."""
+    _check_ridge(ridge)
+    statistics = collect_statistics(
+        teacher,
+        batches,
+        num_key_value_layers,
+        key_value_group_size,
+        weighting=weighting,
+        answers_only=answers_only,
+        progress=progress,
+    )
+    return fit(teacher, statistics, ridge)
+
+
+def collect_statistics(
+    teacher: SwiftKVForCausalLM,
+    batches: Iterable[Batch],
+    num_key_value_layers: int,
+    key_value_group_size: int = 1,
+    *,
+    weighting: str = DEFAULT_WEIGHTING,
+    answers_only: bool = False,
+    progress: bool = True,
+) -> CalibrationStatistics:
+    """calibrate's pass over `batches`: one teacher forward per batch, on the teacher's device, without
+    gradients; a tqdm bar over batches. Key rows (and value rows with uniform weighting): every real
+    token, or only the answer tokens with answers_only; the attention weighting's queries are the answer
+    tokens. L, G, the weighting and the statistics' memory are checked before any batch is read."""
     if weighting not in WEIGHTINGS:
         raise ValueError(f"weighting must be one of {', '.join(WEIGHTINGS)}, got {weighting!r}")
-    teacher_state = {k: v.detach().cpu() for k, v in teacher.state_dict().items()}
-    config, state = swiftkv_init(teacher.config, teacher_state, num_key_value_layers, key_value_group_size)
-    if not config.is_swiftkv:
-        raise CalibrationError(
-            f"num_key_value_layers must be < num_hidden_layers ({config.num_hidden_layers}) to calibrate"
-        )
+    config = _student_config(teacher, num_key_value_layers, key_value_group_size)
     device = next(teacher.parameters()).device
     big_l, g, n = num_key_value_layers, key_value_group_size, config.num_hidden_layers
     kv_heads, head_dim = config.num_key_value_heads, config.head_dim
     kv_dim = kv_heads * head_dim
     leaders = list(range(big_l, n, g))
     norm = RMSNorm(config.hidden_size, config.rms_norm_eps).to(device)
-    norm.weight.data.copy_(state["model.norm_swiftkv.weight"])
+    # norm_swiftkv as swiftkv_init sets it: layer L's input_layernorm
+    norm.weight.data.copy_(teacher.model.layers[big_l].input_layernorm.weight.detach())
     weighted = weighting == "attention"
     if weighted:  # per (leader, kv head): K and V per token, V pooled (see the module docstring)
         out_features = {}
@@ -317,10 +402,30 @@ def calibrate(
                         acc.update(s, {key: torch.cat([k[:, h], v[:, h]], -1)}, {key: mass[:, h]})
     finally:
         teacher.train(was_training)
-    if num_tokens == 0:
+    return CalibrationStatistics(big_l, g, weighting, acc, num_tokens, num_queries)
+
+
+def fit(
+    teacher: SwiftKVForCausalLM, statistics: CalibrationStatistics, ridge: float = DEFAULT_RIDGE
+) -> tuple[SwiftKVConfig, dict[str, torch.Tensor]]:
+    """The SwiftKV (config, state_dict) of `teacher` whose k/v_proj_swiftkv are the ridge fits of
+    `statistics` (collected on this teacher); `statistics` is left as it was, so it can be fitted again
+    or added to."""
+    _check_ridge(ridge)
+    big_l, g = statistics.num_key_value_layers, statistics.key_value_group_size
+    _student_config(teacher, big_l, g)
+    teacher_state = {k: v.detach().cpu() for k, v in teacher.state_dict().items()}
+    config, state = swiftkv_init(teacher.config, teacher_state, big_l, g)
+    if statistics.num_tokens == 0:
         raise CalibrationError("no calibration rows: the data selected no tokens")
-    if weighted:
-        prior = VALUE_PRIOR_QUERIES / max(num_queries, 1)
+    kv_heads, head_dim = config.num_key_value_heads, config.head_dim
+    kv_dim = kv_heads * head_dim
+    leaders = list(range(big_l, config.num_hidden_layers, g))
+    weighted = statistics.weighting == "attention"
+    acc = statistics.accumulator
+    if weighted:  # the prior is added to a copy: the statistics stay those of the data
+        acc = acc.copy()
+        prior = VALUE_PRIOR_QUERIES / max(statistics.num_queries, 1)
         for leader, h in itertools.product(leaders, range(kv_heads)):
             acc.blend((leader, h, "pooled"), (leader, h, "token"), prior, slice(head_dim, None))
     fits = acc.solve(ridge)
@@ -346,13 +451,28 @@ def calibrate(
         "calibrated %d K/V projections (L=%d of %d, G=%d) on %d tokens, ridge %g, %s weighting",
         len(leaders),
         big_l,
-        n,
+        config.num_hidden_layers,
         g,
-        num_tokens,
+        statistics.num_tokens,
         ridge,
-        weighting,
+        statistics.weighting,
     )
     return config, state
+
+
+def _check_ridge(ridge: float) -> None:
+    if not ridge >= 0:
+        raise ValueError(f"ridge must be >= 0, got {ridge}")
+
+
+def _student_config(teacher: SwiftKVForCausalLM, num_key_value_layers: int, key_value_group_size: int):
+    """The student's config (L, G checked against the teacher; CalibrationError unless L < N)."""
+    config = swiftkv_config(teacher.config, num_key_value_layers, key_value_group_size)
+    if not config.is_swiftkv:
+        raise CalibrationError(
+            f"num_key_value_layers must be < num_hidden_layers ({config.num_hidden_layers}) to calibrate"
+        )
+    return config
 
 
 class _AttentionStatistics:

@@ -251,6 +251,27 @@ def split_holdout(
     return train, heldout
 
 
+def split_folds(examples: Sequence[Example], k: int, seed: int = 0) -> list[list[Example]]:
+    """The examples in k folds for cross-validation by prompt, each in input order: the distinct keys
+    (prompts) in the order of their seeded hash, dealt to the folds in turn, so fold sizes differ by at
+    most one prompt and all examples of a prompt are in one fold.
+
+        folds = split_folds(examples, 10)   # score folds[f] by a fit on the other nine
+    """
+    if k < 2:
+        raise ValueError(f"cross-validation needs k >= 2 folds, got {k}")
+    keys = sorted({e.holdout_key for e in examples}, key=lambda key: (_unit_hash(key, seed), key))
+    if len(keys) < k:
+        raise ValueError(
+            f"{k} folds need at least {k} distinct prompts, got {len(keys)} ({len(examples)} examples)"
+        )
+    fold_of = {key: i % k for i, key in enumerate(keys)}
+    folds: list[list[Example]] = [[] for _ in range(k)]
+    for e in examples:
+        folds[fold_of[e.holdout_key]].append(e)
+    return folds
+
+
 def _unit_hash(key: str, seed: int) -> float:
     digest = hashlib.blake2b(f"{seed}\0{key}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2**64

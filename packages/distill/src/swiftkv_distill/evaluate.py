@@ -76,6 +76,45 @@ class EvalResult:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def pooled(cls, results: Sequence[EvalResult]) -> EvalResult:
+        """The result of scoring the union of disjoint data sets (folds) scored one by one: agreement,
+        KL and log-perplexities weighted by answer tokens, greedy agreement by greedy prompts. The
+        results must be of the same student shape (N, L, G) and greedy length."""
+        if not results:
+            raise ValueError("nothing to pool")
+        first = results[0]
+        shape = (first.num_hidden_layers, first.num_key_value_layers, first.key_value_group_size)
+        for r in results:
+            if (r.num_hidden_layers, r.num_key_value_layers, r.key_value_group_size) != shape:
+                raise ValueError("pooled results must be of one student shape (N, L, G)")
+            if r.greedy_tokens != first.greedy_tokens:
+                raise ValueError("pooled results must decode the same number of greedy tokens")
+        tokens = sum(r.num_answer_tokens for r in results)
+
+        def mean(values) -> float:
+            return sum(v * r.num_answer_tokens for v, r in zip(values, results)) / tokens
+
+        greedy_prompts = sum(r.num_greedy_prompts for r in results)
+        greedy = None
+        if first.greedy_tokens:
+            weighted = sum(r.greedy_agreement * r.num_greedy_prompts for r in results)
+            greedy = weighted / greedy_prompts if greedy_prompts else 0.0
+        return cls(
+            num_examples=sum(r.num_examples for r in results),
+            num_answer_tokens=tokens,
+            top1_agreement=mean(r.top1_agreement for r in results),
+            kl=mean(r.kl for r in results),
+            teacher_perplexity=math.exp(mean(math.log(r.teacher_perplexity) for r in results)),
+            student_perplexity=math.exp(mean(math.log(r.student_perplexity) for r in results)),
+            greedy_agreement=greedy,
+            num_greedy_prompts=greedy_prompts,
+            greedy_tokens=first.greedy_tokens,
+            num_hidden_layers=first.num_hidden_layers,
+            num_key_value_layers=first.num_key_value_layers,
+            key_value_group_size=first.key_value_group_size,
+        )
+
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 

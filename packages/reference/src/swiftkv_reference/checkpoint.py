@@ -278,6 +278,26 @@ def load_model(directory: str | os.PathLike, dtype: torch.dtype = torch.float32)
     return model.eval()
 
 
+def swiftkv_config(
+    config: SwiftKVConfig, num_key_value_layers: int, key_value_group_size: int = 1
+) -> SwiftKVConfig:
+    """The config `swiftkv_init` gives a plain model's SwiftKV student (L and G checked by the config);
+    CheckpointError when `config` is already a SwiftKV model's."""
+    if config.is_swiftkv:
+        raise CheckpointError(
+            f"the source is already a SwiftKV model (L={config.num_key_value_layers}); convert a plain model"
+        )
+    model_type = config.model_type
+    if num_key_value_layers < config.num_hidden_layers:
+        model_type = f"{config.family}_swiftkv"
+    return config.replace(
+        model_type=model_type,
+        num_key_value_layers=num_key_value_layers,
+        key_value_group_size=key_value_group_size,
+        swiftkv=True,
+    )
+
+
 def swiftkv_init(
     config: SwiftKVConfig,
     state_dict: dict[str, torch.Tensor],
@@ -288,20 +308,8 @@ def swiftkv_init(
     norm_swiftkv <- layers[L].input_layernorm; q_proj_swiftkv[i] <- q_proj[i];
     a group leader's k/v_proj_swiftkv <- the mean of its G members' k/v_proj (biases likewise).
     The source must be a plain model (L == N); its tensors are kept unchanged (the teacher)."""
-    if config.is_swiftkv:
-        raise CheckpointError(
-            f"the source is already a SwiftKV model (L={config.num_key_value_layers}); convert a plain model"
-        )
+    new_config = swiftkv_config(config, num_key_value_layers, key_value_group_size)
     check_state_dict(config, state_dict)
-    model_type = config.model_type
-    if num_key_value_layers < config.num_hidden_layers:
-        model_type = f"{config.family}_swiftkv"
-    new_config = config.replace(
-        model_type=model_type,
-        num_key_value_layers=num_key_value_layers,
-        key_value_group_size=key_value_group_size,
-        swiftkv=True,
-    )
     big_l, g, n = num_key_value_layers, key_value_group_size, config.num_hidden_layers
     out = {k: v.clone() for k, v in state_dict.items()}
     if big_l == n:

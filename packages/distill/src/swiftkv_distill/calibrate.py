@@ -151,15 +151,19 @@ class Accumulator:
         shape = (self.in_features, self.out_features, self.bias, self.weighted)
         if shape != (other.in_features, other.out_features, other.bias, other.weighted):
             raise ValueError("only accumulators of the same fits (shapes, keys, bias, weighting) add up")
-        total = Accumulator(self.in_features, self.out_features, self.bias, self.sts.device, self.weighted)
+        total = self.zeros()
         total.sts = self.sts + other.sts.to(self.sts.device)
         total.sty = self.sty + other.sty.to(self.sty.device)
         total._rows = {key: rows + other._rows[key] for key, rows in self._rows.items()}
         total.num_rows = max(total._rows.values())
         return total
 
+    def zeros(self) -> Accumulator:
+        """An Accumulator of the same fits, without rows."""
+        return Accumulator(self.in_features, self.out_features, self.bias, self.sts.device, self.weighted)
+
     def copy(self) -> Accumulator:
-        out = Accumulator(self.in_features, self.out_features, self.bias, self.sts.device, self.weighted)
+        out = self.zeros()
         out.sts, out.sty = self.sts.clone(), self.sty.clone()
         out._rows, out.num_rows = dict(self._rows), self.num_rows
         return out
@@ -292,9 +296,7 @@ class CalibrationStatistics:
 
     def empty(self) -> CalibrationStatistics:
         """Statistics of no data with the same fits (the start of a sum)."""
-        acc = self.accumulator
-        zero = Accumulator(acc.in_features, acc.out_features, acc.bias, acc.sts.device, acc.weighted)
-        return dataclasses.replace(self, accumulator=zero, num_tokens=0, num_queries=0)
+        return dataclasses.replace(self, accumulator=self.accumulator.zeros(), num_tokens=0, num_queries=0)
 
 
 def calibrate(

@@ -44,17 +44,18 @@ EXPF = r"""
 #define SWIFTKV_EXPF
 #include <stdint.h>
 #include <string.h>
+/* The steps on a float or on a GCC vector of floats (kernels/cpu_prefill.py's vexpf): n is
+   floor(x * SWIFTKV_EXP_LOG2E + 0.5), r = SWIFTKV_EXP_REDUCE(x, n), e^x = SWIFTKV_EXP_POLY(r) * 2^n */
+#define SWIFTKV_EXP_LOG2E 1.44269504088896341f
+#define SWIFTKV_EXP_REDUCE(x, n) ((x) - (n) * 0.693359375f + (n) * 2.12194440e-4f)
+#define SWIFTKV_EXP_POLY(r)                                                                          \
+    ((((((1.9875691500e-4f * (r) + 1.3981999507e-3f) * (r) + 8.3334519073e-3f) * (r) + 4.1665795894e-2f) \
+       * (r) + 1.6666665459e-1f) * (r) + 5.0000001201e-1f) * (r) * (r) + (r) + 1.0f)
 static inline float swiftkv_expf(float x) {
     x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    float n = __builtin_floorf(x * SWIFTKV_EXP_LOG2E + 0.5f);
+    float r = SWIFTKV_EXP_REDUCE(x, n);
+    float p = SWIFTKV_EXP_POLY(r);
     int32_t bits = ((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, 4);

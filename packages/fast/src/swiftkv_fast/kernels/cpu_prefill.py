@@ -55,7 +55,9 @@ from swiftkv_fast.kernels import cpu_compile, cpu_decode
 
 ENV_SWITCH = "SWIFTKV_CPU_PREFILL_KERNEL"
 
-SOURCE = r"""
+SOURCE = (
+    cpu_compile.EXPF
+    + r"""
 #include <float.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -88,23 +90,16 @@ static inline vec splat(float x) { return (vec){0} + x; }
 static inline vec vselect(vint mask, vec a, vec b) { return (vec)(((vint)a & mask) | ((vint)b & ~mask)); }
 static inline vec vmax(vec a, vec b) { return vselect(a > b, a, b); }
 
-/* swiftkv_expf on every lane (the same Cephes steps, so the same values) */
+/* swiftkv_expf on every lane (cpu_compile.EXPF's steps) */
 static inline vec vexpf(vec x) {
     x = vselect(x < splat(-87.0f), splat(-87.0f), x);
     x = vselect(x > splat(88.0f), splat(88.0f), x);
-    const vec t = x * 1.44269504088896341f + 0.5f;
+    const vec t = x * SWIFTKV_EXP_LOG2E + 0.5f;
     vint i = __builtin_convertvector(t, vint);
     i += (vint)(t < __builtin_convertvector(i, vec));  /* truncation -> floor */
     const vec n = __builtin_convertvector(i, vec);
-    const vec r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vec p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    return p * (vec)((i + 127) << 23);
+    const vec r = SWIFTKV_EXP_REDUCE(x, n);
+    return SWIFTKV_EXP_POLY(r) * (vec)((i + 127) << 23);
 }
 
 /* Scores of BLOCK_ROWS query rows against KB keys, transposed: sT[kk][0..BLOCK_ROWS) (rows lds apart)
@@ -342,6 +337,7 @@ int swiftkv_prefill_attention(const float *q, int64_t q_stride, const float *k, 
     return failed;
 }
 """
+)
 
 
 def enabled() -> bool:

@@ -90,6 +90,13 @@ static inline vec splat(float x) { return (vec){0} + x; }
 static inline vec vselect(vint mask, vec a, vec b) { return (vec)(((vint)a & mask) | ((vint)b & ~mask)); }
 static inline vec vmax(vec a, vec b) { return vselect(a > b, a, b); }
 
+/* The lanes (rows at positions pos) that see the key at position `key`: key <= pos, and with a window
+   key > pos - window (edge = pos - window) */
+static inline vint visible(vint pos, vint edge, int64_t key, int64_t window) {
+    const vint kp = (vint){0} + (int32_t)key;
+    return window > 0 ? (pos >= kp) & (edge < kp) : pos >= kp;
+}
+
 /* swiftkv_expf on every lane (cpu_compile.EXPF's steps) */
 static inline vec vexpf(vec x) {
     x = vselect(x < splat(-87.0f), splat(-87.0f), x);
@@ -202,9 +209,7 @@ static void attend_tile(const float *q, int64_t q_stride, const float *keys, int
                 for (int64_t j = 0; j < nk; j++) mx = vmax(mx, *(const vec *)(col + j * TILE_ROWS));
             } else {
                 for (int64_t j = 0; j < nk; j++) {
-                    const vint kp = (vint){0} + (int32_t)(c0 + j);
-                    vint seen = pos >= kp;
-                    if (window > 0) seen &= edge < kp;
+                    const vint seen = visible(pos, edge, c0 + j, window);
                     mx = vmax(mx, vselect(seen, *(const vec *)(col + j * TILE_ROWS), splat(-FLT_MAX)));
                 }
             }
@@ -212,12 +217,7 @@ static void attend_tile(const float *q, int64_t q_stride, const float *keys, int
             for (int64_t j = 0; j < nk; j++) {
                 vec *s = (vec *)(col + j * TILE_ROWS);
                 vec e = vexpf(*s - mx);
-                if (!full) {
-                    const vint kp = (vint){0} + (int32_t)(c0 + j);
-                    vint seen = pos >= kp;
-                    if (window > 0) seen &= edge < kp;
-                    e = vselect(seen, e, splat(0.f));
-                }
+                if (!full) e = vselect(visible(pos, edge, c0 + j, window), e, splat(0.f));
                 *s = e;
                 total += e;
             }

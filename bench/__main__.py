@@ -57,6 +57,13 @@ def _common(out_default: Path) -> argparse.ArgumentParser:
     )
     g.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
     g.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    g.add_argument(
+        "--matmul-precision",
+        choices=["highest", "high"],
+        default="highest",
+        help="torch.set_float32_matmul_precision for every system measured (the engine's matmul_precision "
+        "too): 'high' lets fp32 linears use bf16x3 where a kernel offers it (default highest: fp32)",
+    )
     g.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return common
 
@@ -85,10 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("bench").setLevel(logging.DEBUG if args.verbose else logging.INFO)
-    if args.threads:
-        import torch
+    import torch
 
+    if args.threads:
         torch.set_num_threads(args.threads)
+    torch.set_float32_matmul_precision(args.matmul_precision)
     if args.quick:
         args.repeat = args.repeat or 1
     names = ALL if args.name == "all" else [args.name]
@@ -106,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _forwarded(args: argparse.Namespace) -> list[str]:
-    out = ["--out", str(args.out), "--seed", str(args.seed)]
+    out = ["--out", str(args.out), "--seed", str(args.seed), "--matmul-precision", args.matmul_precision]
     out += ["--quick"] if args.quick else []
     out += ["--verbose"] if args.verbose else []
     for flag in ("repeat", "warmup"):

@@ -37,10 +37,12 @@ def build_llm(
     **kw: Any,
 ):
     """The embedded model (or the checkpoint directory `model`, or `config` + `state_dict`), prefix
-    caching off so repeats do real work."""
+    caching off so repeats do real work, at torch's float32 matmul precision (`--matmul-precision`), as
+    the baselines in this process run."""
     from swiftkv_fast import LLM
 
     kw.setdefault("enable_prefix_caching", False)
+    kw.setdefault("matmul_precision", "high" if torch.get_float32_matmul_precision() == "high" else "highest")
     common = dict(dtype=dtype, device=device, **kw)
     if state_dict is not None:
         log.info("building engine from a state dict, L=%s G=%s", num_key_value_layers, key_value_group_size)

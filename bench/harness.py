@@ -149,6 +149,7 @@ def machine_info() -> dict[str, Any]:
         "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        "matmul_precision": torch.get_float32_matmul_precision(),
         **blas_info(),
         "linear_kernels": kernels["linear_kernels"],
         "malloc_tuned": _malloc_tuned(),
@@ -206,6 +207,11 @@ def machine_summary(info: dict[str, Any]) -> list[str]:
         lines.append(
             "malloc: glibc keeps freed memory for reuse (set by the engine; every system in this process, "
             "transformers included, runs with it)"
+        )
+    if info.get("matmul_precision", "highest") != "highest":
+        lines.append(
+            f"float32 matmul precision: {info['matmul_precision']!r} for every system in this process "
+            "(torch.set_float32_matmul_precision; the engine's matmul_precision)"
         )
     kernels = info.get("linear_kernels") or {}
     if kernels:

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 from .base import EngineOptions, Implementation, Output, Runner, Sampling
-from .fast import FastCpuStack, FastCudaGraph, FastFlash, FastTorch, FastTP2, FastTriton
+from .fast import FastCpuBf16x3, FastCpuStack, FastCudaGraph, FastFlash, FastTorch, FastTP2, FastTriton
 from .reference import Reference
 
 IMPLEMENTATIONS: dict[str, type[Implementation]] = {
     cls.name: cls
-    for cls in (Reference, FastTorch, FastCpuStack, FastTriton, FastFlash, FastCudaGraph, FastTP2)
+    for cls in (
+        Reference,
+        FastTorch,
+        FastCpuStack,
+        FastCpuBf16x3,
+        FastTriton,
+        FastFlash,
+        FastCudaGraph,
+        FastTP2,
+    )
 }
 GPU_IMPLEMENTATIONS = [name for name, cls in IMPLEMENTATIONS.items() if cls.gpu]
 

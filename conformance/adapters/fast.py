@@ -10,6 +10,9 @@ fast-tp2        attention_backend="torch", tensor_parallel_size=2: rank 0 here a
 fast-cpu-stack  attention_backend="torch" on CPU with every linear through the panel GEMM
                 (linear_kernel="panel"), so that decode rows run each half's layers as one C call
                 (model/decode_stack.py) whatever the kernel timings of the machine say
+fast-cpu-bf16x3 attention_backend="torch" on CPU at matmul_precision="high" with every linear through
+                the AMX bf16x3 kernel (linear_kernel="bf16x3"; CPUs with AMX-BF16), held to the fp32
+                tolerances like the others
 """
 
 from __future__ import annotations
@@ -312,3 +315,28 @@ class FastCpuStack(Fast):
 
     def engine_kwargs(self, engine: EngineOptions) -> dict[str, Any]:
         return {**super().engine_kwargs(engine), "linear_kernel": "panel"}
+
+
+class FastCpuBf16x3(Fast):
+    """The CPU path at PyTorch's "high" float32 matmul precision: every linear through the AMX bf16x3
+    kernel (kernels/cpu_amx.py), forced rather than timed, so that it runs every case here. It meets
+    the fp32 tolerances: logits within 6.4e-5 of the reference's (Intel Xeon with AMX, 2026-12-04)."""
+
+    name = "fast-cpu-bf16x3"
+    backend = "torch"
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        from swiftkv_fast.kernels import cpu_amx
+
+        reason = cpu_amx.unavailable_reason()
+        if reason is not None:
+            return False, f"the AMX bf16x3 kernel cannot run here ({reason})"
+        return cls._base_available()
+
+    @classmethod
+    def device(cls) -> str:
+        return "cpu"
+
+    def engine_kwargs(self, engine: EngineOptions) -> dict[str, Any]:
+        return {**super().engine_kwargs(engine), "linear_kernel": "bf16x3", "matmul_precision": "high"}

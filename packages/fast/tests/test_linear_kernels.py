@@ -12,11 +12,13 @@ import torch
 import torch.nn.functional as F
 from swiftkv_fast import LLM, SamplingParams
 from swiftkv_fast.config import LINEAR_KERNELS, EngineConfig
+from swiftkv_fast.kernels import cpu_amx
 from swiftkv_fast.model import linear_kernels as lk
 from swiftkv_fast.model.layers import Linear
 from swiftkv_reference.testing import fp32_atol, random_state_dict, tiny_config
 
 FORCED = [k for k in LINEAR_KERNELS if k != "auto"]
+FP32 = [k for k in FORCED if lk.KERNELS[k].precision == "highest"]  # the kernels of fp32 precision
 
 
 @pytest.fixture
@@ -45,7 +47,7 @@ def test_config_names_the_kernels():
     assert set(LINEAR_KERNELS) == {"auto", *lk.KERNELS}
 
 
-@pytest.mark.parametrize("kernel", FORCED)
+@pytest.mark.parametrize("kernel", FP32)
 @pytest.mark.parametrize("rows", [1, 16, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_each_kernel_matches_f_linear(kernel, rows, with_bias):
@@ -294,16 +296,80 @@ def test_greedy_tokens_do_not_depend_on_the_kernel(model):
     prompts = [[5, 6, 7, 8, 9] * 3, [11, 12, 13]]
     params = SamplingParams(temperature=0, max_tokens=6)
     got = {}
-    for kernel in FORCED:
+    for kernel in FP32 + (["bf16x3"] if cpu_amx.unavailable_reason() is None else []):
+        precision = lk.KERNELS[kernel].precision
         llm = LLM.from_state_dict(
-            config, state, linear_kernel=kernel, num_key_value_layers=2, max_model_len=64
+            config,
+            state,
+            linear_kernel=kernel,
+            matmul_precision=precision,
+            num_key_value_layers=2,
+            max_model_len=64,
         )
         got[kernel] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         lm_head = llm.llm_engine.runner.model.w.lm_head
         assert lm_head.plan == ((sys.maxsize, kernel),)
         if kernel == "linear" and config.tie_word_embeddings:  # the tied lm_head reads the embedding
             assert lm_head.layouts["linear"].data_ptr() == llm.llm_engine.runner.model.w.embed.data_ptr()
-    assert got["matmul"] == got["linear"] == got["mkldnn"] == got["panel"]
+    assert got["matmul"] == got["linear"] == got["mkldnn"] == got["panel"] == got.get("bf16x3", got["linear"])
+
+
+def fake_bf16x3(monkeypatch) -> None:
+    """A stand-in for the AMX kernel (F.linear at "high" precision), so the choice is tested anywhere."""
+    monkeypatch.setitem(lk.KERNELS, "bf16x3", lk.LinearKernel("bf16x3", lambda w: w, F.linear, "high"))
+
+
+def test_bf16x3_is_a_candidate_only_at_high_precision(monkeypatch):
+    fake_bf16x3(monkeypatch)
+    seconds = {k: {1: 1.0, 256: 1.0} for k in lk.KERNELS}
+    seconds["bf16x3"] = {1: 0.1, 256: 0.1}  # the fastest everywhere
+    timed = []
+    highest = chooser(buckets=(1, 256), timer=fake_timer(seconds, timed))
+    assert "bf16x3" not in {k for _, k in highest.choose("o", torch.randn(8, 4), None, 256).plan}
+    assert "bf16x3" not in {k for k, _ in timed}  # not even timed
+    high = chooser(buckets=(1, 256), timer=fake_timer(seconds), precision="high")
+    assert high.choose("o", torch.randn(8, 4), None, 256).plan == ((sys.maxsize, "bf16x3"),)
+
+
+def test_timings_cached_at_one_precision_serve_the_other(tmp_path, monkeypatch):
+    """A cache written at "high" holds bf16x3's timings, which "highest" leaves out; one written at
+    "highest" lacks them, so "high" times the shape again."""
+    fake_bf16x3(monkeypatch)
+    seconds = {k: {1: 1.0} for k in lk.KERNELS}
+    seconds["bf16x3"], seconds["mkldnn"] = {1: 0.1}, {1: 0.5}
+    first = chooser(buckets=(1,), cache_dir=tmp_path, timer=fake_timer(seconds), precision="high")
+    assert first.choose("o", torch.randn(8, 4), None, 1).plan == ((sys.maxsize, "bf16x3"),)
+    first.finish()
+
+    def no_timing(kernel, rows, call):
+        raise AssertionError("timed again")
+
+    again = chooser(buckets=(1,), cache_dir=tmp_path, timer=no_timing)
+    assert again.choose("o", torch.randn(8, 4), None, 1).plan == ((sys.maxsize, "mkldnn"),)
+    other = tmp_path / "other"
+    chooser(buckets=(1,), cache_dir=other, timer=fake_timer(seconds)).choose("o", torch.randn(8, 4), None, 1)
+    timed = []
+    high = chooser(buckets=(1,), cache_dir=other, timer=fake_timer(seconds, timed), precision="high")
+    assert high.choose("o", torch.randn(8, 4), None, 1).plan == ((sys.maxsize, "bf16x3"),)
+    assert ("bf16x3", 1) in timed
+
+
+def test_matmul_precision_is_checked_naming_the_field():
+    with pytest.raises(ValueError, match="matmul_precision must be one of"):
+        EngineConfig(matmul_precision="medium", device="cpu")
+    with pytest.raises(ValueError, match="linear_kernel='bf16x3'.*matmul_precision='high'"):
+        EngineConfig(linear_kernel="bf16x3", device="cpu")
+    EngineConfig(linear_kernel="bf16x3", matmul_precision="high", device="cpu")
+    with pytest.raises(ValueError, match="matmul_precision"):
+        lk.LinearKernelChooser("auto", "cpu", (1,), precision="medium")
+
+
+def test_a_forced_bf16x3_where_it_cannot_run_falls_back_with_one_log_line(monkeypatch, log):
+    monkeypatch.setenv(cpu_amx.ENV_SWITCH, "0")
+    forced = chooser("bf16x3", precision="high")
+    assert forced.choose("o", torch.randn(8, 4), None, 16).plan == ((sys.maxsize, "linear"),)
+    warnings = [r.getMessage() for r in log.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "'bf16x3' failed" in warnings[0] and "unavailable here" in warnings[0]
 
 
 def test_a_changed_panel_kernel_is_timed_afresh(tmp_path, monkeypatch):

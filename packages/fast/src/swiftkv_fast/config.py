@@ -12,6 +12,7 @@ from swiftkv_fast.attention import BACKENDS
 from swiftkv_fast.attention.flash_backend import validate_block_size
 from swiftkv_fast.distributed.parallel_state import parse_init_method
 from swiftkv_fast.kernels._common import interpreting
+from swiftkv_fast.kernels.cpu_amx import MATMUL_PRECISIONS
 
 DTYPES = {
     "float32": torch.float32,
@@ -23,7 +24,7 @@ DTYPES = {
     "half": torch.float16,
 }
 # CPU linear kernels (model/linear_kernels.py): auto = chosen by measurement, or one forced everywhere
-LINEAR_KERNELS = ("auto", "linear", "matmul", "mkldnn", "panel")
+LINEAR_KERNELS = ("auto", "linear", "matmul", "mkldnn", "panel", "bf16x3")
 
 
 @dataclass
@@ -45,6 +46,7 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs for the second half (CPU is always eager)
     return_logits: bool = False  # keep the fp32 logits row of every sampled token on the output
     linear_kernel: str = "auto"  # CPU GEMM kernel (LINEAR_KERNELS): auto is timed once per machine, cached
+    matmul_precision: str = "highest"  # MATMUL_PRECISIONS: "high" permits the bf16x3 kernel (CPU, AMX)
     tensor_parallel_size: int = 1  # ranks the model is split over (rank 0 here, the others spawned)
     distributed_init_method: str | None = None  # tcp://HOST:PORT rank 0 serves; None: a free local port
 
@@ -138,6 +140,15 @@ class EngineConfig:
     def _check_linear_kernel(self) -> None:
         if self.linear_kernel not in LINEAR_KERNELS:
             raise ValueError(f"linear_kernel must be one of {LINEAR_KERNELS}, got {self.linear_kernel!r}")
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            raise ValueError(
+                f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {self.matmul_precision!r}"
+            )
+        if self.linear_kernel == "bf16x3" and self.matmul_precision == "highest":
+            raise ValueError(
+                "linear_kernel='bf16x3' computes fp32 products as sums of bf16 ones: it needs "
+                "matmul_precision='high' (got 'highest')"
+            )
         if torch.device(self.device).type != "cpu" and self.linear_kernel not in ("auto", "linear"):
             raise ValueError(
                 f"linear_kernel={self.linear_kernel!r} is a CPU kernel; on device={self.device!r} every "

@@ -9,6 +9,9 @@ Four ways to compute y = x W^T + b for a checkpoint weight W (out_features, in_f
     panel    our compiled C kernel over W packed in 16-column panels (kernels/cpu_gemm.py; fp32,
              needs a C compiler): 1.1-1.5x oneDNN on a 16-row decode batch with the weights read
              from memory, on AMD EPYC Zen 3 (AVX2) and Zen 4 (AVX-512)
+    bf16x3   our compiled C kernel on Intel AMX tiles, W split into bf16 hi + lo (kernels/cpu_amx.py):
+             PyTorch's "high" float32 matmul precision, so a candidate only when the engine is allowed
+             it (EngineConfig.matmul_precision = "high"); about 2x MKL's sgemm at thousands of rows
 
 Which one is fastest depends on the GEMM library, the CPU and the row count (one layout was 2.3x
 faster than the other on one x86 machine and slower on another), so `LinearKernelChooser` times
@@ -46,7 +49,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from swiftkv_fast.kernels import cpu_gemm
+from swiftkv_fast.kernels import cpu_amx, cpu_gemm
+from swiftkv_fast.kernels.cpu_amx import MATMUL_PRECISIONS, Bf16x3Weight
 from swiftkv_fast.kernels.cpu_gemm import PanelWeight
 from swiftkv_fast.logger import init_logger
 from swiftkv_fast.model.cpu_contention import ContentionMeter, waited_seconds
@@ -72,6 +76,11 @@ class LinearKernel:
     name: str
     pack: Callable[[torch.Tensor], torch.Tensor]  # W (out, in) -> the kernel's layout of it
     run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]  # (x, layout, bias)
+    precision: str = "highest"  # the most precise matmul precision level that permits this kernel
+
+    def permitted(self, precision: str) -> bool:
+        """The kernel may run under the matmul precision level `precision` (MATMUL_PRECISIONS)."""
+        return MATMUL_PRECISIONS.index(precision) >= MATMUL_PRECISIONS.index(self.precision)
 
 
 def _matmul(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -91,12 +100,13 @@ KERNELS = {
     "matmul": LinearKernel("matmul", lambda w: w.t().contiguous(), _matmul),
     "mkldnn": LinearKernel("mkldnn", _mkldnn_pack, _mkldnn),
     "panel": LinearKernel("panel", PanelWeight, lambda x, w, bias: w.linear(x, bias)),
+    "bf16x3": LinearKernel("bf16x3", Bf16x3Weight, lambda x, w, bias: w.linear(x, bias), precision="high"),
 }
 
 
 def nbytes(t: torch.Tensor | PanelWeight) -> int:
     """Bytes a weight layout holds (a oneDNN tensor's own size, padding included)."""
-    if isinstance(t, PanelWeight):
+    if isinstance(t, (PanelWeight, Bf16x3Weight)):
         return t.nbytes
     if t.is_mkldnn:
         return int(torch.ops.mkldnn._nbytes(t))
@@ -181,6 +191,7 @@ def machine_key() -> dict[str, object]:
         "torch": torch.__version__,
         "mkldnn": torch.backends.mkldnn.is_available(),
         "panel_gemm": hashlib.sha1(cpu_gemm.SOURCE.encode()).hexdigest()[:12],
+        "amx_gemm": hashlib.sha1(cpu_amx.SOURCE.encode()).hexdigest()[:12],
     }
 
 
@@ -293,13 +304,15 @@ def describe_plan(plan: tuple[tuple[int, str], ...]) -> str:
 class LinearKernelChooser:
     """Picks the kernel of every linear layer (see the module docstring). `kernel`: 'auto' or one of
     KERNELS to force; `row_buckets` from `row_buckets()`; `cache_dir` None: no cache file; `cold`: time
-    every call with the caches evicted first (for a model whose weights exceed them)."""
+    every call with the caches evicted first (for a model whose weights exceed them); `precision`: the
+    matmul precision level (MATMUL_PRECISIONS) whose kernels 'auto' chooses from."""
 
     kernel: str
     device: str | torch.device
     row_buckets: tuple[int, ...]
     cache_dir: Path | None = None
     cold: bool = False
+    precision: str = "highest"
     timer: Callable[[str, int, Callable[[], object]], float] = wall_time
     times: Times = field(default_factory=dict)
     extra_bytes: int = 0  # weight memory the kept layouts take beyond one copy of each weight
@@ -314,6 +327,8 @@ class LinearKernelChooser:
     def __post_init__(self) -> None:
         if self.kernel != "auto" and self.kernel not in KERNELS:
             raise ValueError(f"linear_kernel must be 'auto' or one of {list(KERNELS)}, got {self.kernel!r}")
+        if self.precision not in MATMUL_PRECISIONS:
+            raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {self.precision!r}")
         self.on_cpu = torch.device(self.device).type == "cpu"
         self.cache_path = cache_file(self.cache_dir) if self.cache_dir is not None else None
         if self.on_cpu and self.kernel == "auto" and self.cache_path is not None:
@@ -393,7 +408,7 @@ class LinearKernelChooser:
         (one bucket, every kernel) timed while the threads waited for a core (another process busy) is
         timed again, up to MAX_TRIES in all; the least disturbed try is used, and the shape is not
         cached if that one was disturbed too."""
-        names = [k for k in KERNELS if k not in self.failed]
+        names = [k for k, kern in KERNELS.items() if k not in self.failed and kern.permitted(self.precision)]
         shape = self._shape_key(weight)
         known = self.times.setdefault(shape, {})
         missing = [b for b in buckets if not set(names) <= set(known.get(b, {}))]

@@ -100,6 +100,7 @@ def build_weights(
         row_buckets(econf.max_num_seqs, econf.max_num_batched_tokens),
         cache_dir=kernel_cache_dir(),
         cold=weights_exceed_cache(sd, dtype),
+        precision=econf.matmul_precision,
     )
     every_row = econf.max_num_batched_tokens
     sampled_rows = min(econf.max_num_seqs, econf.max_num_batched_tokens)

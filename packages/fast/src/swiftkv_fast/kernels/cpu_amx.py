@@ -124,14 +124,25 @@ int swiftkv_amx_linear(const float *x, int64_t ldx, int64_t M, int64_t N, int64_
     #pragma omp parallel num_threads(num_threads)
     {
         /* x -> (MB, KB, 16, 32) hi and lo tiles, zeros past M and K */
+        const int64_t full = K / 32;  /* blocks of 32 features inside K: split without a test per value */
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < MB * 16; r++) {
             uint16_t *rh = xh + (r / 16) * KB * TILE + (r % 16) * 32, *rl = xl + (rh - xh);
+            if (r >= M) {
+                for (int64_t kb = 0; kb < KB; kb++) {
+                    memset(rh + kb * TILE, 0, 64);
+                    memset(rl + kb * TILE, 0, 64);
+                }
+                continue;
+            }
             const float *xr = x + r * ldx;
-            for (int64_t kb = 0; kb < KB; kb++) {
+            for (int64_t kb = 0; kb < full; kb++) {
+                for (int k = 0; k < 32; k++) split(xr[kb * 32 + k], rh + kb * TILE + k, rl + kb * TILE + k);
+            }
+            for (int64_t kb = full; kb < KB; kb++) {
                 for (int k = 0; k < 32; k++) {
                     const int64_t col = kb * 32 + k;
-                    split(r < M && col < K ? xr[col] : 0.f, rh + kb * TILE + k, rl + kb * TILE + k);
+                    split(col < K ? xr[col] : 0.f, rh + kb * TILE + k, rl + kb * TILE + k);
                 }
             }
         }
@@ -143,7 +154,7 @@ int swiftkv_amx_linear(const float *x, int64_t ldx, int64_t M, int64_t N, int64_
             config.rows[t] = 16;
         }
         _tile_loadconfig(&config);
-        float out[4][256];  /* the four accumulators of a block, 16 x 16 each */
+        float sums[32 * 32];  /* a block's four accumulator tiles, as (32 rows, 32 columns) */
         #pragma omp for schedule(static) collapse(2)
         for (int64_t item = 0; item < items_m; item++) {
             for (int64_t np = 0; np < NP; np++) {
@@ -182,18 +193,15 @@ int swiftkv_amx_linear(const float *x, int64_t ldx, int64_t M, int64_t N, int64_
                         _tile_dpbf16ps(2, 5, 6);
                         _tile_dpbf16ps(3, 5, 7);
                     }
-                    _tile_stored(0, out[0], 64);
-                    _tile_stored(1, out[1], 64);
-                    _tile_stored(2, out[2], 64);
-                    _tile_stored(3, out[3], 64);
-                    for (int t = 0; t < 4; t++) {
-                        const int64_t r0 = m + (t >> 1) * 16, c0 = np * 32 + (t & 1) * 16;
-                        const int cols = N - c0 < 16 ? (int)(N - c0) : 16;
-                        for (int r = 0; r < 16 && r0 + r < M; r++) {
-                            float *yr = y + (r0 + r) * N + c0;
-                            const float *acc = out[t] + r * 16;
-                            for (int c = 0; c < cols; c++) yr[c] = acc[c] + (bias ? bias[c0 + c] : 0.f);
-                        }
+                    _tile_stored(0, sums, 128);
+                    _tile_stored(1, sums + 16, 128);
+                    _tile_stored(2, sums + 512, 128);
+                    _tile_stored(3, sums + 528, 128);
+                    const int64_t cols = N - np * 32 < 32 ? N - np * 32 : 32;
+                    for (int64_t r = 0; r < 32 && m + r < M; r++) {
+                        float *yr = y + (m + r) * N + np * 32;
+                        const float *acc = sums + r * 32;
+                        for (int64_t c = 0; c < cols; c++) yr[c] = acc[c] + (bias ? bias[np * 32 + c] : 0.f);
                     }
                 }
             }

@@ -162,12 +162,16 @@ def fma_peak_gflops(seconds: float = 0.2, repeats: int = 5) -> float | None:
 @torch.inference_mode()
 def peak_gflops(size: int = 2048, repeats: int = 3) -> dict[str, float]:
     """This machine's fp32 GEMM rate (GFLOP/s) on one (size x size) @ (size x size) product, best of
-    `repeats` calls, through each linear kernel the engine chooses from that runs here."""
+    `repeats` calls, through each linear kernel the engine chooses from that runs here at torch's float32
+    matmul precision (bf16x3 only at "high")."""
     from swiftkv_fast.model.linear_kernels import KERNELS
 
+    precision = "high" if torch.get_float32_matmul_precision() == "high" else "highest"
     x, weight = torch.randn(size, size), torch.randn(size, size)
     rates = {}
     for name, kernel in KERNELS.items():
+        if not kernel.permitted(precision):
+            continue
         try:
             layout = kernel.pack(weight)
             kernel.run(x, layout, None)

@@ -99,7 +99,11 @@ def run(args: argparse.Namespace) -> int:
 
     runners = _systems(systems, args.temperature)
     peak = gemm_floor.peak_gflops() if runners.floor_llms else {}
-    fma_peak = gemm_floor.fma_peak_gflops() if runners.floor_llms else None
+    import torch
+
+    # at matmul precision "high" the floor may multiply on AMX tiles (bf16x3): fp32 FMAs bound nothing
+    fp32_only = torch.get_float32_matmul_precision() == "highest"
+    fma_peak = gemm_floor.fma_peak_gflops() if runners.floor_llms and fp32_only else None
     tables, rows = [], []
     for name in mixes:
         prompts, output_len = mix_prompts(table_of[name], runners.vocab_size, args.seed)
@@ -339,9 +343,13 @@ def _table(
             best = max(peak, key=peak.get)
             rate = r["gflops_per_second"].median
             share = 100 * rate / peak[best]
+            import torch
+
+            precision = torch.get_float32_matmul_precision()
             t.notes.append(
                 f"{r['system']}: {r['flops'] / 1e9:.0f} GFLOP at {rate:.0f} GFLOP/s, {share:.0f}% of this "
-                f"machine's fp32 GEMM peak ({peak[best]:.0f} GFLOP/s: 2048^3 through {best})."
+                f"machine's GEMM peak at float32 matmul precision {precision!r} ({peak[best]:.0f} GFLOP/s: "
+                f"2048^3 through {best})."
             )
         if "hardware_ceiling_vs_hf_generate" in r:
             t.notes.append(

@@ -47,6 +47,16 @@ def test_engine_flag_defaults_are_engine_config_defaults(command, monkeypatch):
     assert kwargs["block_size"] == 32 and kwargs["max_num_seqs"] == 8
 
 
+def test_matmul_precision_flag_reaches_the_engine():
+    from swiftkv_fast.cli import _engine_kwargs, build_parser
+
+    args = build_parser().parse_args(["generate", "--matmul-precision", "high", "--linear-kernel", "bf16x3"])
+    kwargs = _engine_kwargs(args)
+    assert kwargs["matmul_precision"] == "high" and kwargs["linear_kernel"] == "bf16x3"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--matmul-precision", "medium"])
+
+
 def _broken_dirs(root: Path, ckpt: Path) -> dict[str, Path]:
     pickle_only = root / "pickle_only"
     pickle_only.mkdir()
@@ -84,6 +94,7 @@ GENERATE_ERRORS = [
     (["--dtype", "int8"], "dtype"),
     (["--num-key-value-layers", "9"], "num_key_value_layers"),
     (["--kv-cache-memory", str(10**15)], "kv_cache_memory"),
+    (["--linear-kernel", "bf16x3"], "needs matmul_precision='high'"),
     ([], "tokenizer"),  # a text prompt on a checkpoint without tokenizer files
     pytest.param(["--device", "cuda"], "cuda", marks=NO_CUDA),
 ]

@@ -120,6 +120,19 @@ def naive_prefill(q, k_cache, v_cache, q_lens, kv_lens, block_tables, window, sc
     return torch.stack(out)
 
 
+def at_thread_counts(fn, counts=(1, 2)) -> list:
+    """fn() run under each torch thread count in `counts` (the count restored after)."""
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in counts:
+            torch.set_num_threads(n)
+            results.append(fn())
+        return results
+    finally:
+        torch.set_num_threads(threads)
+
+
 def random_prompts(n: int, vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]

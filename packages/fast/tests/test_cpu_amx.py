@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import at_thread_counts
 from swiftkv_fast.kernels import cpu_amx
 
 REASON = cpu_amx.unavailable_reason()
@@ -77,14 +78,7 @@ def test_threads_do_not_change_the_result():
     g = torch.Generator().manual_seed(2)
     w, x = torch.randn(300, 64, generator=g), torch.randn(600, 64, generator=g)
     packed = cpu_amx.Bf16x3Weight(w)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = packed.linear(x)
-        torch.set_num_threads(2)
-        two = packed.linear(x)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = at_thread_counts(lambda: packed.linear(x))
     assert torch.equal(one, two)  # every output is one thread's sum, in one order
 
 

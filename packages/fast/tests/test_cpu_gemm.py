@@ -11,6 +11,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import at_thread_counts
 from swiftkv_fast.kernels import cpu_compile, cpu_gemm
 from swiftkv_fast.model import linear_kernels as lk
 
@@ -59,23 +60,16 @@ def test_threads_do_not_change_the_result():
     g = torch.Generator().manual_seed(2)
     w, x = torch.randn(300, 64, generator=g), torch.randn(200, 64, generator=g)
     packed = cpu_gemm.PanelWeight(w)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = packed.linear(x)
-        torch.set_num_threads(2)
-        two = packed.linear(x)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = at_thread_counts(lambda: packed.linear(x))
     assert torch.equal(one, two)  # every output is one thread's sum, in one order
 
 
 @needs_compiler
 def test_bad_input_is_refused():
     packed = cpu_gemm.PanelWeight(torch.randn(8, 4))
-    with pytest.raises(ValueError, match="fp32 rows of 4"):
+    with pytest.raises(ValueError, match="fp32 CPU rows of 4"):
         packed.linear(torch.randn(3, 5))
-    with pytest.raises(ValueError, match="fp32 rows of 4"):
+    with pytest.raises(ValueError, match="fp32 CPU rows of 4"):
         packed.linear(torch.randn(3, 4, dtype=torch.float64))
     with pytest.raises(ValueError, match="2-d fp32 CPU weight"):
         cpu_gemm.PanelWeight(torch.randn(8, 4, dtype=torch.bfloat16))

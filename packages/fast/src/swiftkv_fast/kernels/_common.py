@@ -56,3 +56,12 @@ def check_device(t: torch.Tensor, interpreted: bool) -> None:
             "swiftkv_fast.kernels need CUDA tensors; on CPU set TRITON_INTERPRET=1 before "
             "the kernels are first imported (Triton's interpreter, for tests)"
         )
+
+
+def dense_rows(x: torch.Tensor, width: int, kernel: str) -> torch.Tensor:
+    """x (..., width) fp32 on CPU as (rows, width) with unit column stride (a view where it can be), for
+    the compiled linear kernels; a ValueError naming `kernel` otherwise."""
+    if x.dtype != torch.float32 or not x.is_cpu or x.shape[-1] != width:
+        raise ValueError(f"the {kernel} takes fp32 CPU rows of {width}, got {x.dtype} {tuple(x.shape)}")
+    x2 = x.reshape(-1, width)
+    return x2 if x2.stride(1) == 1 else x2.contiguous()

@@ -38,6 +38,7 @@ import threading
 import torch
 
 from swiftkv_fast.kernels import cpu_compile
+from swiftkv_fast.kernels._common import dense_rows
 
 ENV_SWITCH = "SWIFTKV_CPU_AMX_KERNEL"
 # torch.set_float32_matmul_precision's levels the engine knows (EngineConfig.matmul_precision), most
@@ -107,6 +108,15 @@ int swiftkv_amx_pack(const float *w, int64_t ldw, int64_t N, int64_t K, int64_t 
     return 0;
 }
 
+/* the 2 x 2 accumulators (tiles 0-3) += the two x tiles (4, 5) times the two weight tiles (6, 7) */
+#define BLOCK_PRODUCTS()         \
+    do {                         \
+        _tile_dpbf16ps(0, 4, 6); \
+        _tile_dpbf16ps(1, 4, 7); \
+        _tile_dpbf16ps(2, 5, 6); \
+        _tile_dpbf16ps(3, 5, 7); \
+    } while (0)
+
 struct tile_config {
     uint8_t palette, start_row, reserved[14];
     uint16_t bytes_per_row[16];
@@ -174,24 +184,15 @@ int swiftkv_amx_linear(const float *x, int64_t ldx, int64_t M, int64_t N, int64_
                         _tile_loadd(5, ah1 + o, 64);
                         _tile_loadd(6, bh0 + o, 64);
                         _tile_loadd(7, bh1 + o, 64);
-                        _tile_dpbf16ps(0, 4, 6);
-                        _tile_dpbf16ps(1, 4, 7);
-                        _tile_dpbf16ps(2, 5, 6);
-                        _tile_dpbf16ps(3, 5, 7);
+                        BLOCK_PRODUCTS();  /* x_hi w_hi */
                         _tile_loadd(4, al0 + o, 64);
                         _tile_loadd(5, al1 + o, 64);
-                        _tile_dpbf16ps(0, 4, 6);
-                        _tile_dpbf16ps(1, 4, 7);
-                        _tile_dpbf16ps(2, 5, 6);
-                        _tile_dpbf16ps(3, 5, 7);
+                        BLOCK_PRODUCTS();  /* x_lo w_hi */
                         _tile_loadd(4, ah0 + o, 64);
                         _tile_loadd(5, ah1 + o, 64);
                         _tile_loadd(6, bl0 + o, 64);
                         _tile_loadd(7, bl1 + o, 64);
-                        _tile_dpbf16ps(0, 4, 6);
-                        _tile_dpbf16ps(1, 4, 7);
-                        _tile_dpbf16ps(2, 5, 6);
-                        _tile_dpbf16ps(3, 5, 7);
+                        BLOCK_PRODUCTS();  /* x_hi w_lo */
                     }
                     _tile_stored(0, sums, 128);
                     _tile_stored(1, sums + 16, 128);
@@ -290,14 +291,7 @@ class Bf16x3Weight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x (..., in) fp32 -> (..., out)."""
-        if x.dtype != torch.float32 or not x.is_cpu or x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"the AMX kernel takes fp32 CPU rows of {self.in_features}, got {x.dtype} {tuple(x.shape)}"
-            )
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if x2.stride(1) != 1:
-            x2 = x2.contiguous()
+        x2 = dense_rows(x, self.in_features, "AMX kernel")
         if bias is not None:
             bias = bias.to(torch.float32).contiguous()
         rows = x2.shape[0]
@@ -317,7 +311,7 @@ class Bf16x3Weight:
                 _split_buffer(2 * -(-rows // BLOCK) * 2 * self._k_blocks * 16 * TILE_K).data_ptr(),
                 torch.get_num_threads(),
             )
-        return y.view(*lead, self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
 
 
 def _split_buffer(values: int) -> torch.Tensor:

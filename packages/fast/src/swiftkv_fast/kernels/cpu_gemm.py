@@ -63,6 +63,7 @@ from collections.abc import Callable
 import torch
 
 from swiftkv_fast.kernels import cpu_compile
+from swiftkv_fast.kernels._common import dense_rows
 
 ENV_SWITCH = "SWIFTKV_CPU_GEMM_KERNEL"
 PANEL = 16  # output columns per panel
@@ -352,15 +353,8 @@ class PanelWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x (..., in) fp32 -> (..., out)."""
-        if x.dtype != torch.float32 or x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"the panel GEMM takes fp32 rows of {self.in_features}, got {x.dtype} {tuple(x.shape)}"
-            )
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if x2.stride(1) != 1:
-            x2 = x2.contiguous()
-        return self._run(x2, bias, _NONE).view(*lead, self.out_features)
+        x2 = dense_rows(x, self.in_features, "panel GEMM")
+        return self._run(x2, bias, _NONE).view(*x.shape[:-1], self.out_features)
 
     def linear_after_norm(
         self,

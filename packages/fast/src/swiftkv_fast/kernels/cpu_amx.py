@@ -18,10 +18,12 @@ the whole of K, with two A and two B tiles as operands: per 32 input features, h
 tile products and 10 tile loads. Work items are (256 rows, 32 columns), split over torch's OpenMP
 threads in contiguous runs, so a thread's rows stay in its L2 across the columns.
 
-Measured on a 2-core Intel Xeon with AMX (family 6 model 167, torch 2.13, one process, interleaved),
-GFLOP/s of fp32 work, 4,096 rows: qkv-like 576 -> 576: 709-798 against MKL's F.linear 259-315;
-gate_up 576 -> 1536: 723-771 against 317; down 1536 -> 576: 525-614 against 314; 16 rows of
-576 -> 1536 from cache: 219 against 80-120.
+Measured on a 2-core Intel Xeon with AMX (family 6 model 167, torch 2.13; one process, interleaved,
+median GFLOP/s of fp32 work, MKL's F.linear / oneDNN / this kernel), the embedded model's shapes:
+4,096 rows: qkv 256 / 273 / 567, o 316 / 313 / 601, gate_up 281 / 321 / 773, down 335 / 330 / 607;
+256 rows: 265-288 / 273-288 / 539-659. At 16 decode rows the weights come from memory and take the
+bytes of fp32 here too, so the chooser keeps MKL or the panel GEMM there. Keeping a column pair's
+slices in L1 by chunking K measured 5-15% slower than running the whole of K per block.
 
 Built at first use by kernels/cpu_compile.py; it compiles to a stub where the compiler does not target
 AMX (-march=native on a CPU without it), and needs Linux's permission for the tile state (arch_prctl

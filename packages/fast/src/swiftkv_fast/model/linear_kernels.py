@@ -1,6 +1,6 @@
 """CPU linear kernels, chosen by measurement at start-up.
 
-Four ways to compute y = x W^T + b for a checkpoint weight W (out_features, in_features):
+Five ways to compute y = x W^T + b for a checkpoint weight W (out_features, in_features):
 
     linear   F.linear on W as it is, (out, in)
     matmul   torch.mm / addmm on W^T stored contiguous, (in, out)

@@ -42,7 +42,7 @@ def build_llm(
     from swiftkv_fast import LLM
 
     kw.setdefault("enable_prefix_caching", False)
-    kw.setdefault("matmul_precision", "high" if torch.get_float32_matmul_precision() == "high" else "highest")
+    kw.setdefault("matmul_precision", matmul_precision())
     common = dict(dtype=dtype, device=device, **kw)
     if state_dict is not None:
         log.info("building engine from a state dict, L=%s G=%s", num_key_value_layers, key_value_group_size)
@@ -65,6 +65,12 @@ def build_llm(
         key_value_group_size=key_value_group_size,
         **common,
     )
+
+
+def matmul_precision() -> str:
+    """The engine's matmul_precision matching torch's float32 matmul precision in this process (what
+    `--matmul-precision` set): "high" permits bf16x3, anything else is "highest"."""
+    return "high" if torch.get_float32_matmul_precision() == "high" else "highest"
 
 
 def greedy(max_tokens: int, ignore_eos: bool = True):

@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 import torch
 
-from bench.engine import BatchResult, step_token_budget, swiftkv_model
+from bench.engine import BatchResult, matmul_precision, step_token_budget, swiftkv_model
 
 
 def prompt_chunks(prompt_lens: list[int], budget: int) -> list[int]:
@@ -166,7 +166,7 @@ def peak_gflops(size: int = 2048, repeats: int = 3) -> dict[str, float]:
     matmul precision (bf16x3 only at "high")."""
     from swiftkv_fast.model.linear_kernels import KERNELS
 
-    precision = "high" if torch.get_float32_matmul_precision() == "high" else "highest"
+    precision = matmul_precision()
     x, weight = torch.randn(size, size), torch.randn(size, size)
     rates = {}
     for name, kernel in KERNELS.items():

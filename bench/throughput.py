@@ -36,8 +36,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from bench import engine, gemm_floor, hf_baseline, report, step_profile
 from bench.harness import Sample, Stats, paired_ratio, run_interleaved
 
@@ -102,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     runners = _systems(systems, args.temperature)
     peak = gemm_floor.peak_gflops() if runners.floor_llms else {}
     # at matmul precision "high" the floor may multiply on AMX tiles (bf16x3): fp32 FMAs bound nothing
-    fp32_only = torch.get_float32_matmul_precision() == "highest"
+    fp32_only = engine.matmul_precision() == "highest"
     fma_peak = gemm_floor.fma_peak_gflops() if runners.floor_llms and fp32_only else None
     tables, rows = [], []
     for name in mixes:
@@ -343,7 +341,7 @@ def _table(
             best = max(peak, key=peak.get)
             rate = r["gflops_per_second"].median
             share = 100 * rate / peak[best]
-            precision = torch.get_float32_matmul_precision()
+            precision = engine.matmul_precision()
             t.notes.append(
                 f"{r['system']}: {r['flops'] / 1e9:.0f} GFLOP at {rate:.0f} GFLOP/s, {share:.0f}% of this "
                 f"machine's GEMM peak at float32 matmul precision {precision!r} ({peak[best]:.0f} GFLOP/s: "

@@ -68,6 +68,26 @@ def test_peak_gflops_measures_every_kernel_that_runs_here():
     assert all(r > 0 for r in rates.values())
 
 
+def test_peak_and_engine_follow_torch_matmul_precision(monkeypatch):
+    """bf16x3 (a stand-in, so this runs on any CPU) counts in the peak only at "high", the precision the
+    engines of this process are built at too."""
+    import torch
+    import torch.nn.functional as F
+    from swiftkv_fast.model import linear_kernels as lk
+
+    monkeypatch.setitem(lk.KERNELS, "bf16x3", lk.LinearKernel("bf16x3", lambda w: w, F.linear, "high"))
+    before = torch.get_float32_matmul_precision()
+    try:
+        assert engine.matmul_precision() == "highest" or before == "high"
+        torch.set_float32_matmul_precision("highest")
+        assert "bf16x3" not in gemm_floor.peak_gflops(size=32, repeats=1)
+        torch.set_float32_matmul_precision("high")
+        assert engine.matmul_precision() == "high"
+        assert "bf16x3" in gemm_floor.peak_gflops(size=32, repeats=1)
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
 def test_fma_peak_is_a_rate_and_none_without_a_compiler(monkeypatch):
     from swiftkv_fast.kernels import cpu_compile
 

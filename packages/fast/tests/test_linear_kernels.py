@@ -364,6 +364,26 @@ def test_matmul_precision_is_checked_naming_the_field():
         lk.LinearKernelChooser("auto", "cpu", (1,), precision="medium")
 
 
+def test_the_engine_hands_its_matmul_precision_to_the_chooser(monkeypatch):
+    from swiftkv_fast.model import loader
+
+    seen = []
+
+    class Recording(lk.LinearKernelChooser):
+        def __post_init__(self) -> None:
+            seen.append(self.precision)
+            super().__post_init__()
+
+    monkeypatch.setattr(loader, "LinearKernelChooser", Recording)
+    config = tiny_config(num_hidden_layers=2)
+    state = random_state_dict(config)
+    for precision in ("highest", "high"):
+        LLM.from_state_dict(
+            config, state, matmul_precision=precision, linear_kernel="linear", max_model_len=32
+        )
+    assert seen == ["highest", "high"]
+
+
 def test_a_forced_bf16x3_where_it_cannot_run_falls_back_with_one_log_line(monkeypatch, log):
     monkeypatch.setenv(cpu_amx.ENV_SWITCH, "0")
     forced = chooser("bf16x3", precision="high")

@@ -36,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from functools import cache
 
 import torch
 
@@ -233,7 +234,6 @@ _SYMBOLS = {
 }
 _scratch = threading.local()  # per thread, the split copy of x, grown to the largest call: a fresh
 # buffer per call would fault in its pages every time (4,096 x 576 rows: 9 MB, ~20% of the call)
-_enabled: dict[str, int] = {}  # the permission's answer, asked once per process
 
 
 def enabled() -> bool:
@@ -244,17 +244,24 @@ def unavailable_reason() -> str | None:
     """Why the kernel cannot run here, or None when it can."""
     if not enabled():
         return f"{ENV_SWITCH}=0"
-    functions = cpu_compile.load("amx-gemm", SOURCE, {}, _SYMBOLS)
-    if functions is None:
+    if _functions() is None:
         return "no C compiler"
-    if "status" not in _enabled:
-        _enabled["status"] = functions["swiftkv_amx_enable"]()
-    status = _enabled["status"]
+    status = _tile_permission()
     if status == 2:
         return "the C compiler does not target AMX-BF16 on this CPU"
     if status:
         return "Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM; Linux 5.16+)"
     return None
+
+
+def _functions():
+    return cpu_compile.load("amx-gemm", SOURCE, {}, _SYMBOLS)
+
+
+@cache
+def _tile_permission() -> int:
+    """swiftkv_amx_enable's answer, asked once per process (Linux keeps the permission for it)."""
+    return _functions()["swiftkv_amx_enable"]()
 
 
 class Bf16x3Weight:
@@ -274,7 +281,7 @@ class Bf16x3Weight:
         n_blocks = -(-self.out_features // BLOCK) * 2  # 16-column tiles, in pairs
         self.hi = torch.empty(n_blocks, self._k_blocks, 16, TILE_K, dtype=torch.int16)  # bf16 bits
         self.lo = torch.empty_like(self.hi)
-        self._functions = cpu_compile.load("amx-gemm", SOURCE, {}, _SYMBOLS)
+        self._functions = _functions()
         self._functions["swiftkv_amx_pack"](
             weight.data_ptr(),
             weight.stride(0),

@@ -254,7 +254,7 @@ def evaluate_splits(teacher, train, heldout, settings: Sequence, pad_token_id: i
     fields, the method, fit_seconds and eval_seconds. The teacher is left as it was."""
     from swiftkv_distill.calibrate import calibrate
     from swiftkv_distill.data import batches
-    from swiftkv_distill.distill import DistillConfig, distill
+    from swiftkv_distill.distill import distill
     from swiftkv_distill.evaluate import evaluate
     from swiftkv_distill.pipeline import _model
     from swiftkv_reference.checkpoint import swiftkv_init
@@ -289,7 +289,7 @@ def evaluate_splits(teacher, train, heldout, settings: Sequence, pad_token_id: i
         if s.steps:
             t = time.perf_counter()
             train_batches = batches(train, s.batch_tokens, pad_token_id, seed=s.seed)
-            distill(student, train_batches, DistillConfig(steps=s.steps, lr=s.lr), device=s.device)
+            distill(student, train_batches, s.distill_config(), device=s.device)
             score(METHODS[2], student, rows[-1]["fit_seconds"] + time.perf_counter() - t)
         del student
     return rows
@@ -307,7 +307,7 @@ def cross_validate_splits(teacher, folds, settings: Sequence, pad_token_id: int 
 
     from swiftkv_distill.calibrate import collect_statistics, fit
     from swiftkv_distill.data import batches
-    from swiftkv_distill.distill import DistillConfig, distill
+    from swiftkv_distill.distill import distill
     from swiftkv_distill.evaluate import evaluate
     from swiftkv_distill.pipeline import _model
     from swiftkv_reference.checkpoint import swiftkv_init
@@ -349,7 +349,7 @@ def cross_validate_splits(teacher, folds, settings: Sequence, pad_token_id: int 
                 t = time.perf_counter()
                 train = [e for g, other in enumerate(folds) if g != f for e in other]
                 train_batches = batches(train, s.batch_tokens, pad_token_id, seed=s.seed)
-                distill(student, train_batches, DistillConfig(steps=s.steps, lr=s.lr), device=s.device)
+                distill(student, train_batches, s.distill_config(), device=s.device)
                 seconds[METHODS[2]][0] += time.perf_counter() - t
                 score(METHODS[2], student, fold)
             del student

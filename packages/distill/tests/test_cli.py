@@ -138,13 +138,14 @@ def test_data_file_and_distillation_steps(teacher, tmp_path, monkeypatch):
     out = tmp_path / "student"
     rc, stdout, stderr = run(
         "distill", teacher, out, "-L", "2", "-G", "2", "--data", data, "--steps", "2", "--precision", "bf16",
-        *FAST,
+        "--logits-loss-temp", "1.5", "--hidden-loss-mult", "0", *FAST,
     )
     assert rc == 0, stderr
     report = json.loads((out / "eval.json").read_text())
     assert list(report["results"]) == ["calibrated", "distilled"]
     assert report["settings"]["steps"] == 2
     assert report["settings"]["precision"] == report["settings"]["distill_precision"] == "bf16"
+    assert (report["settings"]["logits_loss_temp"], report["settings"]["hidden_loss_mult"]) == (1.5, 0.0)
     assert report["results"]["distilled"]["key_value_group_size"] == 2
     assert "calibrated" in stdout and "distilled" in stdout
     config = json.loads((out / "config.json").read_text())

@@ -55,6 +55,10 @@ BAD_SETTINGS = [  # (field, bad value)
     ("precision", "fp16"),
     ("lr", 0),
     ("lr", math.inf),
+    ("logits_loss_temp", 0),
+    ("logits_loss_temp", math.nan),
+    ("hidden_loss_mult", -0.5),
+    ("hidden_loss_mult", math.inf),
     ("device", "tpu"),
     ("device", "cuda:x"),
 ]
@@ -79,6 +83,7 @@ def test_settings_accept_the_edges():
         holdout_share=0.5,
         ridge=0,
         lr=1,
+        hidden_loss_mult=0,
     )
     assert s.steps == 0 and s.ridge == 0
     with pytest.raises(AttributeError):
@@ -97,6 +102,33 @@ def test_cache_key_is_every_setting_but_the_device_and_the_calibrations_version(
     settings = {k: v for k, v in s.__dict__.items() if k != "device"}
     assert key == settings | {"calibration": CALIBRATION_VERSION}
     assert key == DistillSettings(num_key_value_layers=3, steps=5, device="cpu:0").cache_key()
+
+
+def test_cache_key_leaves_out_the_distillation_settings_without_steps():
+    distillation = {"logits_loss_temp": 1.0, "hidden_loss_mult": 0.0, "precision": "fp32"}
+    plain = DistillSettings(num_key_value_layers=3).cache_key()
+    assert DistillSettings(num_key_value_layers=3, **distillation).cache_key() == plain
+    assert not set(distillation) & set(plain)
+    trained = DistillSettings(num_key_value_layers=3, steps=5).cache_key()
+    for name, value in distillation.items():
+        changed = DistillSettings(num_key_value_layers=3, steps=5, **{name: value}).cache_key()
+        assert changed[name] == value and changed != trained, name
+
+
+def test_distill_config_carries_every_distillation_setting():
+    s = DistillSettings(
+        num_key_value_layers=3,
+        steps=7,
+        lr=3e-3,
+        logits_loss_temp=1.5,
+        hidden_loss_mult=0.25,
+        precision="bf16",
+    )
+    c = s.distill_config()
+    got = (c.steps, c.lr, c.logits_loss_temp, c.hidden_loss_mult, c.precision)
+    assert got == (7, 3e-3, 1.5, 0.25, "bf16")
+    with pytest.raises(ValueError, match="steps is 0"):
+        DistillSettings(num_key_value_layers=3).distill_config()
 
 
 @pytest.mark.parametrize(
@@ -161,7 +193,15 @@ def test_run_distill_trains_on_the_training_share_only(teacher, tmp_path, monkey
     held-out ones; the report and eval.json say so."""
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in DATA))
-    settings = DistillSettings(num_key_value_layers=2, steps=1, greedy_tokens=0, batch_tokens=256, seed=3)
+    settings = DistillSettings(
+        num_key_value_layers=2,
+        steps=1,
+        greedy_tokens=0,
+        batch_tokens=256,
+        seed=3,
+        logits_loss_temp=1.0,
+        hidden_loss_mult=0.5,
+    )
     train, heldout = split_holdout(load_jsonl(data, load_tokenizer(teacher)), settings.holdout_share, seed=3)
     assert train and heldout
     seen = {"calibrate": [], "distill": [], "evaluate": []}
@@ -179,7 +219,7 @@ def test_run_distill_trains_on_the_training_share_only(teacher, tmp_path, monkey
         )
 
     spy("calibrate", pipeline.calibrate, lambda teacher, batches, *a, **k: sequences(batches))
-    spy("distill", pipeline.distill, lambda student, batches, *a, **k: sequences(batches))
+    spy("distill", pipeline.distill, lambda student, batches, config, **k: (sequences(batches), config))
     spy(
         "evaluate",
         pipeline.evaluate,
@@ -188,7 +228,7 @@ def test_run_distill_trains_on_the_training_share_only(teacher, tmp_path, monkey
 
     report = run_distill(teacher, tmp_path / "out", settings, data_path=data)
     want_train = sorted(e.token_ids for e in train)
-    assert seen["calibrate"] == [want_train] and seen["distill"] == [want_train]
+    assert seen["calibrate"] == [want_train] and seen["distill"] == [(want_train, settings.distill_config())]
     assert seen["evaluate"] == [sorted(e.token_ids for e in heldout)] * 2  # calibrated, then distilled
     assert (report.num_train_examples, report.num_heldout_examples) == (len(train), len(heldout))
     assert report.num_train_tokens == sum(len(e) for e in train)

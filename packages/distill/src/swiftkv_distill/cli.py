@@ -138,6 +138,22 @@ def add_parsers(sub) -> None:
         "0.745 held-out agreement at lr 2e-4 / 1e-3 / 3e-3",
     )
     t.add_argument(
+        "--logits-loss-temp",
+        type=float,
+        default=2.0,
+        metavar="T",
+        help="distillation: temperature of the KL to the teacher's logits (Snowflake's 2; 1 is the KL the "
+        "evaluation reports)",
+    )
+    t.add_argument(
+        "--hidden-loss-mult",
+        type=float,
+        default=1.0,
+        metavar="W",
+        help="distillation: weight of the MSE between the student's and the teacher's hidden state entering "
+        "the last layer (Snowflake's 1; 0 trains on the KL alone)",
+    )
+    t.add_argument(
         "--precision",
         choices=PRECISIONS,
         default="auto",
@@ -199,6 +215,8 @@ def _distill(args) -> None:
         weighting=args.weighting,
         steps=args.steps,
         lr=args.lr,
+        logits_loss_temp=args.logits_loss_temp,
+        hidden_loss_mult=args.hidden_loss_mult,
         precision=args.precision,
     )
     if args.data is not None and not args.data.is_file():

@@ -48,6 +48,11 @@ from .trainer_state import list_checkpoints
 logger = logging.getLogger(__name__)
 
 
+# settings that do not reach a calibration-only student, left out of its cache key (lr stays in it, as it
+# always has: leaving it out now would orphan the students cached so far)
+DISTILLATION_ONLY = ("logits_loss_temp", "hidden_loss_mult", "precision")
+
+
 @dataclass(frozen=True)
 class DistillSettings:
     """What `swiftkv distill` does; checked on construction, each error naming its field."""
@@ -63,6 +68,8 @@ class DistillSettings:
     weighting: str = DEFAULT_WEIGHTING  # calibration rows: "attention" (each key's attention) or "uniform"
     steps: int = 0  # distillation steps after the calibration (0: calibration only)
     lr: float = 2e-4
+    logits_loss_temp: float = 2.0  # distillation: the KL's temperature (Snowflake's 2)
+    hidden_loss_mult: float = 1.0  # distillation: weight of the hidden-state MSE (Snowflake's 1; 0: KL only)
     precision: str = "auto"  # distillation arithmetic: "fp32", "bf16" (autocast) or "auto" (measured)
     greedy_tokens: int = 32  # greedy agreement over this many tokens per held-out prompt
     seed: int = 0
@@ -80,6 +87,8 @@ class DistillSettings:
             ("holdout_share", lambda x: 0 < x < 1, "in (0, 1)"),
             ("ridge", lambda x: x >= 0, ">= 0"),
             ("lr", lambda x: x > 0, "> 0"),
+            ("logits_loss_temp", lambda x: x > 0, "> 0"),
+            ("hidden_loss_mult", lambda x: x >= 0, ">= 0"),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -118,11 +127,23 @@ class DistillSettings:
             swiftkv=True,
         )
 
+    def distill_config(self) -> DistillConfig:
+        """The distillation these settings run (ValueError without steps)."""
+        if not self.steps:
+            raise ValueError("steps is 0: these settings run no distillation")
+        return DistillConfig(
+            steps=self.steps,
+            lr=self.lr,
+            logits_loss_temp=self.logits_loss_temp,
+            hidden_loss_mult=self.hidden_loss_mult,
+            precision=self.precision,
+        )
+
     def cache_key(self) -> dict:
         """What determines the student (not the device, which only changes the speed, nor the
-        distillation's precision without distillation), and the calibration's version (a student
+        distillation's settings without distillation), and the calibration's version (a student
         cached by an earlier fit is refitted)."""
-        unused = {"device"} | ({"precision"} if self.steps == 0 else set())
+        unused = {"device"} | (set(DISTILLATION_ONLY) if self.steps == 0 else set())
         key = {k: v for k, v in asdict(self).items() if k not in unused}
         return key | {"calibration": CALIBRATION_VERSION}
 
@@ -257,7 +278,7 @@ def run_distill(
         ran["distill_precision"] = distill(  # what "auto" resolved to
             student,
             train_batches,
-            DistillConfig(steps=settings.steps, lr=settings.lr, precision=settings.precision),
+            settings.distill_config(),
             checkpoint_dir=checkpoint_dir,
             resume=resume,
             device=settings.device,

@@ -4,6 +4,7 @@ the held-out share; cached_student distills once per (teacher files, settings) a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -55,6 +56,8 @@ BAD_SETTINGS = [  # (field, bad value)
     ("precision", "fp16"),
     ("lr", 0),
     ("lr", math.inf),
+    ("calibration_samples", 0),
+    ("calibration_samples", 2.5),
     ("logits_loss_temp", 0),
     ("logits_loss_temp", math.nan),
     ("hidden_loss_mult", -0.5),
@@ -97,11 +100,11 @@ def test_settings_refuse_cuda_without_cuda():
 
 
 def test_cache_key_is_every_setting_but_the_device_and_the_calibrations_version():
-    s = DistillSettings(num_key_value_layers=3, steps=5)
+    s = DistillSettings(num_key_value_layers=3, steps=5, calibration_samples=100)
     key = s.cache_key()
     settings = {k: v for k, v in s.__dict__.items() if k != "device"}
     assert key == settings | {"calibration": CALIBRATION_VERSION}
-    assert key == DistillSettings(num_key_value_layers=3, steps=5, device="cpu:0").cache_key()
+    assert key == dataclasses.replace(s, device="cpu:0").cache_key()
 
 
 def test_cache_key_leaves_out_the_distillation_settings_without_steps():
@@ -113,6 +116,13 @@ def test_cache_key_leaves_out_the_distillation_settings_without_steps():
     for name, value in distillation.items():
         changed = DistillSettings(num_key_value_layers=3, steps=5, **{name: value}).cache_key()
         assert changed[name] == value and changed != trained, name
+
+
+def test_cache_key_holds_calibration_samples_when_set():
+    everything = DistillSettings(num_key_value_layers=3).cache_key()
+    assert "calibration_samples" not in everything  # the key students cached before the setting had
+    some = DistillSettings(num_key_value_layers=3, calibration_samples=64).cache_key()
+    assert some == everything | {"calibration_samples": 64}
 
 
 def test_distill_config_carries_every_distillation_setting():
@@ -188,9 +198,10 @@ DATA = [{"text": f"Fact number {i}: the sky over city {i} is blue at noon."} for
 ]
 
 
-def test_run_distill_trains_on_the_training_share_only(teacher, tmp_path, monkeypatch):
-    """Calibration and distillation see exactly the training examples, the evaluation exactly the
-    held-out ones; the report and eval.json say so."""
+@pytest.mark.parametrize("calibration_samples", [None, 2])
+def test_run_distill_trains_on_the_training_share_only(teacher, tmp_path, monkeypatch, calibration_samples):
+    """Calibration (on the first calibration_samples) and distillation see only training examples, the
+    evaluation exactly the held-out ones; the report and eval.json say so."""
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in DATA))
     settings = DistillSettings(
@@ -201,6 +212,7 @@ def test_run_distill_trains_on_the_training_share_only(teacher, tmp_path, monkey
         seed=3,
         logits_loss_temp=1.0,
         hidden_loss_mult=0.5,
+        calibration_samples=calibration_samples,
     )
     train, heldout = split_holdout(load_jsonl(data, load_tokenizer(teacher)), settings.holdout_share, seed=3)
     assert train and heldout
@@ -228,7 +240,9 @@ def test_run_distill_trains_on_the_training_share_only(teacher, tmp_path, monkey
 
     report = run_distill(teacher, tmp_path / "out", settings, data_path=data)
     want_train = sorted(e.token_ids for e in train)
-    assert seen["calibrate"] == [want_train] and seen["distill"] == [(want_train, settings.distill_config())]
+    assert calibration_samples is None or calibration_samples < len(train)  # a real subset
+    want_fit = sorted(e.token_ids for e in train[:calibration_samples])
+    assert seen["calibrate"] == [want_fit] and seen["distill"] == [(want_train, settings.distill_config())]
     assert seen["evaluate"] == [sorted(e.token_ids for e in heldout)] * 2  # calibrated, then distilled
     assert (report.num_train_examples, report.num_heldout_examples) == (len(train), len(heldout))
     assert report.num_train_tokens == sum(len(e) for e in train)

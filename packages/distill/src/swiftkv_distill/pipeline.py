@@ -66,6 +66,7 @@ class DistillSettings:
     batch_tokens: int = 2048  # tokens (padding included) per calibration / training batch
     ridge: float = DEFAULT_RIDGE
     weighting: str = DEFAULT_WEIGHTING  # calibration rows: "attention" (each key's attention) or "uniform"
+    calibration_samples: int | None = None  # calibrate on the first this many training examples (None: all)
     steps: int = 0  # distillation steps after the calibration (0: calibration only)
     lr: float = 2e-4
     logits_loss_temp: float = 2.0  # distillation: the KL's temperature (Snowflake's 2)
@@ -78,6 +79,8 @@ class DistillSettings:
     def __post_init__(self) -> None:
         ints = {"num_key_value_layers": 1, "key_value_group_size": 1, "num_samples": 2, "max_tokens": 1}
         ints |= {"batch_tokens": 2, "steps": 0, "greedy_tokens": 0, "seed": 0}
+        if self.calibration_samples is not None:
+            ints["calibration_samples"] = 1
         for name, minimum in ints.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -144,6 +147,8 @@ class DistillSettings:
         distillation's settings without distillation), and the calibration's version (a student
         cached by an earlier fit is refitted)."""
         unused = {"device"} | (set(DISTILLATION_ONLY) if self.steps == 0 else set())
+        if self.calibration_samples is None:  # all: the cache key every student had before the setting
+            unused.add("calibration_samples")
         key = {k: v for k, v in asdict(self).items() if k not in unused}
         return key | {"calibration": CALIBRATION_VERSION}
 
@@ -255,14 +260,16 @@ def run_distill(
     train, heldout = split_holdout(examples, share=settings.holdout_share, seed=settings.seed)
     seconds["data"] = time.perf_counter() - t
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    train_batches = batches(train, settings.batch_tokens, pad)
-    logger.info("%d training / %d held-out examples", len(train), len(heldout))
+    fit_examples = train[: settings.calibration_samples]  # None: all
+    logger.info(
+        "%d training / %d held-out examples; calibrating on %d", len(train), len(heldout), len(fit_examples)
+    )
 
     teacher = load_model(teacher_dir).to(settings.device)
     t = time.perf_counter()
     config, state = calibrate(
         teacher,
-        train_batches,
+        batches(fit_examples, settings.batch_tokens, pad),
         settings.num_key_value_layers,
         settings.key_value_group_size,
         ridge=settings.ridge,

@@ -134,8 +134,8 @@ def add_parsers(sub) -> None:
         default=None,
         metavar="N",
         help="calibrate on the first N training examples only (default: all of them). The fit levels off "
-        "near 1,000 teacher answers while distillation keeps gaining from more: with --steps, "
-        "--num-samples 2048 --calibration-samples 1024 spends the time on distillation",
+        "near 1,000 teacher answers while distillation keeps gaining from more (with --steps: e.g. "
+        "--num-samples 2048 --calibration-samples 1024)",
     )
     t.add_argument("--steps", type=int, default=0, help="distillation steps after the calibration (0: none)")
     t.add_argument(

@@ -93,6 +93,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="distillation steps after the calibration, for every split (default 0: no distillation)",
     )
+    parser.add_argument("--lr", type=float, default=2e-4, help="distillation learning rate (Snowflake's)")
+    parser.add_argument(
+        "--logits-loss-temp",
+        type=float,
+        default=2.0,
+        help="distillation: the KL's temperature (Snowflake's 2; see `swiftkv distill --help`)",
+    )
+    parser.add_argument(
+        "--hidden-loss-mult",
+        type=float,
+        default=1.0,
+        help="distillation: weight of the hidden-state MSE (Snowflake's 1; 0: the KL alone)",
+    )
     parser.add_argument(
         "--folds",
         type=_folds,
@@ -123,21 +136,13 @@ def _folds(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from swiftkv_distill.data import split_folds, split_holdout
-    from swiftkv_distill.pipeline import DistillSettings, _model, load_examples, resolve_teacher_dir
+    from swiftkv_distill.pipeline import _model, load_examples, resolve_teacher_dir
     from swiftkv_reference.checkpoint import load_config, load_state_dict
     from swiftkv_reference.tokenizer import load_tokenizer
 
     quick = args.quick
     splits = args.layers or (QUICK_SPLITS if quick else SPLITS)
-    greedy_tokens = _given(args.greedy_tokens, 0 if quick else GREEDY_TOKENS)
-    base = DistillSettings(
-        num_key_value_layers=splits[0][0],
-        num_samples=_given(args.num_samples, QUICK_NUM_SAMPLES if quick else NUM_SAMPLES),
-        max_tokens=_given(args.max_tokens, QUICK_MAX_TOKENS if quick else MAX_TOKENS),
-        steps=args.steps,
-        greedy_tokens=greedy_tokens,
-        seed=args.seed,
-    )
+    base = base_settings(args, splits)
     teacher_dir = resolve_teacher_dir(None)
     config = load_config(teacher_dir)
     settings = split_settings(config, splits, base)  # every split checked before any work
@@ -215,13 +220,31 @@ def run(args: argparse.Namespace) -> int:
         "dtype": "float32",
     }
     paths = write_outputs(args.out, rows, speed, json_settings, data, seconds=seconds)
-    t = table(rows, speed, config.num_hidden_layers, data, greedy_tokens)
+    t = table(rows, speed, config.num_hidden_layers, data, base.greedy_tokens)
     if quick:
         t.notes.append(
             "--quick: too little data for meaningful figures (the fit overfits): it only checks the run."
         )
     report.finish([t], paths)
     return 0
+
+
+def base_settings(args: argparse.Namespace, splits: Sequence[tuple[int, int]]):
+    """The DistillSettings every split shares (ValueError naming a bad field), from the parsed flags."""
+    from swiftkv_distill.pipeline import DistillSettings
+
+    quick = args.quick
+    return DistillSettings(
+        num_key_value_layers=splits[0][0],
+        num_samples=_given(args.num_samples, QUICK_NUM_SAMPLES if quick else NUM_SAMPLES),
+        max_tokens=_given(args.max_tokens, QUICK_MAX_TOKENS if quick else MAX_TOKENS),
+        steps=args.steps,
+        lr=args.lr,
+        logits_loss_temp=args.logits_loss_temp,
+        hidden_loss_mult=args.hidden_loss_mult,
+        greedy_tokens=_given(args.greedy_tokens, 0 if quick else GREEDY_TOKENS),
+        seed=args.seed,
+    )
 
 
 def _given(value, default):

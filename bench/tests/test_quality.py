@@ -229,3 +229,18 @@ def test_folds_option():
     for bad in ("0", "-2", "x"):
         with pytest.raises(argparse.ArgumentTypeError, match="--folds must be an integer >= 1"):
             quality._folds(bad)
+
+
+def test_flags_reach_the_settings_every_split_shares():
+    from bench.__main__ import build_parser
+
+    flags = ["--steps", "3", "--lr", "1e-3", "--logits-loss-temp", "1", "--hidden-loss-mult", "0"]
+    args = build_parser().parse_args(["quality", "--quick", *flags])
+    base = quality.base_settings(args, quality.QUICK_SPLITS)
+    assert (base.steps, base.lr, base.logits_loss_temp, base.hidden_loss_mult) == (3, 1e-3, 1.0, 0.0)
+    assert (base.num_samples, base.greedy_tokens) == (quality.QUICK_NUM_SAMPLES, 0)
+    defaults = quality.base_settings(build_parser().parse_args(["quality"]), quality.SPLITS)
+    assert (defaults.lr, defaults.logits_loss_temp, defaults.hidden_loss_mult) == (2e-4, 2.0, 1.0)
+    args = build_parser().parse_args(["quality", "--hidden-loss-mult", "-1"])
+    with pytest.raises(ValueError, match="^hidden_loss_mult must be"):
+        quality.base_settings(args, quality.SPLITS)

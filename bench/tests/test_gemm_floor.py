@@ -78,8 +78,10 @@ def test_peak_and_engine_follow_torch_matmul_precision(monkeypatch):
     monkeypatch.setitem(lk.KERNELS, "bf16x3", lk.LinearKernel("bf16x3", lambda w: w, F.linear, "high"))
     before = torch.get_float32_matmul_precision()
     try:
-        assert engine.matmul_precision() == "highest" or before == "high"
+        torch.set_float32_matmul_precision("medium")  # not the engine's: strict fp32 there
+        assert engine.matmul_precision() == "highest"
         torch.set_float32_matmul_precision("highest")
+        assert engine.matmul_precision() == "highest"
         assert "bf16x3" not in gemm_floor.peak_gflops(size=32, repeats=1)
         torch.set_float32_matmul_precision("high")
         assert engine.matmul_precision() == "high"

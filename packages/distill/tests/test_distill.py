@@ -158,6 +158,47 @@ def test_first_step_loss_is_snowflakes_loss_of_the_initial_model(hidden_loss_lay
     assert result.hidden_losses[0] > 0
 
 
+def test_kl_only_runs_the_late_layers_on_the_scored_positions_and_trains_the_same():
+    """hidden_loss_mult = 0: the student's layers >= L run only the scored positions, the hidden loss is
+    reported (not trained on) there, and the steps equal those of the full forward (a hidden loss of
+    weight 1e-30 keeps it) up to float reassociation."""
+    batches, n = _batches(2), _student().config.num_hidden_layers
+    model = _student()
+    want = []
+    for b in batches:
+        with torch.no_grad():
+            t = training_forward(model, b.input_ids, swiftkv=False)
+            s = training_forward(model, b.input_ids, swiftkv=True)
+        t_h = _layer_input(model, n - 1, b.input_ids, swiftkv=False)
+        s_h = _layer_input(model, n - 1, b.input_ids, swiftkv=True)
+        m = b.logits_mask
+        want.append(_brute_kl_mse(s.logits[m], t.logits[m], s_h[m], t_h[m], 1.0, 0.0))
+    results, states = [], []
+    for mult in (0.0, 1e-30):
+        model = _student()
+        config = DistillConfig(
+            steps=3, lr=1e-2, gradient_accumulation_steps=2, logits_loss_temp=1.0, hidden_loss_mult=mult,
+            precision="fp32",
+        )
+        calls = []
+
+        def recording(*args, calls=calls, real=distill_module.training_forward, **kwargs):
+            calls.append(kwargs)
+            return real(*args, **kwargs)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(distill_module, "training_forward", recording)
+            results.append(distill(model, batches, config, progress=False))
+        assert {k.get("scored_only", False) for k in calls if k["swiftkv"]} == {mult == 0}
+        states.append({k: v.clone() for k, v in trainable_parameters(model).items()})
+    kl_only = results[0]
+    assert kl_only.losses[0] == pytest.approx(sum(w[0] for w in want) / 2, rel=1e-5)
+    assert kl_only.hidden_losses[0] == pytest.approx(sum(w[2] for w in want) / 2, rel=1e-5)
+    assert kl_only.logits_losses == pytest.approx(results[1].logits_losses, rel=1e-5)
+    for key, value in states[0].items():
+        torch.testing.assert_close(value, states[1][key], rtol=1e-4, atol=1e-6, msg=key)
+
+
 @pytest.mark.parametrize("name, big_l, group", [("llama", 1, 1), ("qwen2_hybrid_bias", 2, 2)])
 def test_lowers_the_kl_and_writes_only_swiftkv_parameters(name, big_l, group):
     model = _student(name, big_l, group)

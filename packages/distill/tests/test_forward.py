@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from swiftkv_distill.batch import Batch
-from swiftkv_distill.forward import training_forward
+from swiftkv_distill.forward import _scored_positions, training_forward
 from swiftkv_reference.testing import fp32_atol, tiny_config, tiny_model
 from tiny_models import FORWARD_MODELS, PLAIN_MODELS
 
@@ -116,6 +116,50 @@ def test_attention_hook_sees_each_layers_stream_probabilities_and_output():
         training_forward(model, batch.input_ids, swiftkv=False, attention_hook=hook)
 
 
+@pytest.mark.parametrize("name", [name for name in FORWARD_MODELS if name not in PLAIN_MODELS])
+def test_scored_only_equals_the_full_forward_at_the_scored_positions(name):
+    """Layers >= L on the scored positions only: the same logits, states and gradients (a row with no
+    scored position included: LENGTHS has a 1-token row)."""
+    config = tiny_config(**FORWARD_MODELS[name])
+    model = tiny_model(config, seed=1)
+    batch = _batch(config.vocab_size)
+    n, big_l = config.num_hidden_layers, config.num_key_value_layers
+    mask = batch.logits_mask
+    assert not mask[LENGTHS.index(1)].any()
+    outs, grads = [], []
+    for scored_only in (False, True):
+        model.zero_grad(set_to_none=True)
+        out = training_forward(
+            model,
+            batch.input_ids,
+            swiftkv=True,
+            logits_mask=mask,
+            keep_states=(big_l, n - 1),
+            scored_only=scored_only,
+        )
+        hidden = out.hidden if scored_only else out.hidden[mask]  # (P, hidden)
+        (out.logits.logsumexp(-1).sum() + hidden.square().sum()).backward()
+        outs.append(out)
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+    full, scored = outs
+    assert scored.logits.shape == full.logits.shape == (int(mask.sum()), config.vocab_size)
+    torch.testing.assert_close(scored.logits, full.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(scored.hidden, full.hidden[mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(scored.states[n - 1], full.states[n - 1][mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(scored.states[big_l], full.states[big_l], rtol=0, atol=0)
+    assert grads[0].keys() == grads[1].keys()
+    for key in grads[0]:
+        scale = float(grads[0][key].abs().max())  # sums over the rows reassociate: relative to the largest
+        torch.testing.assert_close(grads[1][key], grads[0][key], rtol=1e-5, atol=1e-5 * scale, msg=key)
+
+
+def test_scored_only_positions_pad_short_rows():
+    mask = torch.tensor([[0, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)
+    positions, valid = _scored_positions(mask)
+    assert positions.tolist() == [[1, 2], [0, 3], [3, 3]]
+    assert valid.tolist() == [[True, True], [True, False], [False, False]]
+
+
 def test_gradients_reach_swiftkv_parameters():
     config = tiny_config(**FORWARD_MODELS["qwen2_hybrid_swiftkv"])  # bias, AcrossKV, sliding layers
     model = tiny_model(config, seed=1)
@@ -152,6 +196,11 @@ def test_bad_input_is_refused():
         training_forward(model, ids, swiftkv=False, logits_mask=torch.ones(2, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="capture_from"):
         training_forward(model, ids, swiftkv=False, capture_from=4)
+    with pytest.raises(ValueError, match="scored_only needs"):
+        every = torch.ones(2, 5, dtype=torch.bool)
+        training_forward(model, ids, swiftkv=False, logits_mask=every, scored_only=True)
+    with pytest.raises(ValueError, match="scored_only needs"):
+        training_forward(tiny_model(tiny_config(num_key_value_layers=1)), ids, swiftkv=True, scored_only=True)
     with pytest.raises(ValueError, match="batch, num_tokens"):
         training_forward(model, ids[0], swiftkv=False)
     h = torch.zeros(2, 5, model.config.hidden_size)

@@ -10,6 +10,10 @@ train; every other tensor is frozen (requires_grad False) and never written. Per
     hidden_loss = mean over the real tokens and hidden units of (h_student - h_teacher)^2
     loss        = logits_loss + hidden_loss_mult * hidden_loss            hidden_loss_mult = 1
 
+With hidden_loss_mult = 0 nothing needs the student's layers >= L off the scored positions, so they run
+only there (training_forward's scored_only, SwiftKV's own saving), and the hidden_loss reported (not
+trained on) is the MSE at the scored positions.
+
 `hidden_loss_layer` indexes Hugging Face's `hidden_states` tuple as ArcticTraining does:
 (h_0, ..., h_{N-1}, norm(h_N)), h_i the residual stream entering layer i. Its default, -2, is h_{N-1}:
 the stream entering the last decoder layer (not the final norm's input; -1 is the final norm's output).
@@ -330,7 +334,7 @@ class _TeacherOutputs:
 
     first: int  # the layer where the two paths part (the student starts there)
     start: torch.Tensor  # (B, T, hidden): h_first
-    hidden: torch.Tensor  # (n_real, hidden): the hidden-loss target at the real tokens
+    hidden: torch.Tensor  # (n, hidden): the hidden-loss target at the real (or the scored) tokens
     final: torch.Tensor  # (P, hidden): the stream entering the final norm at the scored positions
 
     @property
@@ -368,7 +372,8 @@ def _micro_batch_loss(
     n, big_l = model.config.num_hidden_layers, model.config.num_key_value_layers
     layer = config.hidden_loss_layer % (n + 1)  # n: norm(h_N)
     keep = {layer} if layer < n else set()
-    rows = batch.attention_mask  # (B, T)
+    scored_only = config.hidden_loss_mult == 0
+    rows = batch.logits_mask if scored_only else batch.attention_mask  # (B, T): where the MSE is taken
 
     def run_teacher() -> _TeacherOutputs:
         first = min(big_l, layer)  # where the two paths part (or the hidden loss's layer, if earlier)
@@ -389,11 +394,13 @@ def _micro_batch_loss(
         logits_mask=batch.logits_mask,
         keep_states=keep,
         start=(teacher.first, teacher.start),
+        scored_only=scored_only,
     )
+    student_hidden = _hidden_state(model, student, layer)  # (B, T, hidden), or (P, hidden) if scored_only
     return distill_loss(
         student.logits,
         teacher_logits,
-        _hidden_state(model, student, layer)[rows],
+        student_hidden[rows] if student_hidden.dim() == 3 else student_hidden,
         teacher.hidden,
         config.logits_loss_temp,
         config.hidden_loss_mult,
@@ -401,7 +408,8 @@ def _micro_batch_loss(
 
 
 def _hidden_state(model: SwiftKVForCausalLM, out: ForwardOutput, layer: int) -> torch.Tensor:
-    """Entry `layer` of (h_0, ..., h_{N-1}, norm(h_N)): (B, T, hidden)."""
+    """Entry `layer` of (h_0, ..., h_{N-1}, norm(h_N)): (B, T, hidden), or (P, hidden) past layer L of a
+    scored_only forward."""
     return out.states[layer] if layer < model.config.num_hidden_layers else model.model.norm(out.hidden)
 
 

@@ -221,7 +221,8 @@ def _perplexity(nll: float) -> float:
 
 def _logits(model: SwiftKVForCausalLM, batch, swiftkv: bool) -> torch.Tensor:
     batch = batch.to(next(model.parameters()).device)
-    return training_forward(model, batch.input_ids, swiftkv=swiftkv, logits_mask=batch.logits_mask).logits
+    ids, mask = batch.input_ids, batch.logits_mask
+    return training_forward(model, ids, swiftkv=swiftkv, logits_mask=mask, scored_only=swiftkv).logits
 
 
 def position_stats(t_logits: torch.Tensor, s_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

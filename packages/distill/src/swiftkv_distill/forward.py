@@ -65,6 +65,7 @@ def training_forward(
     keep_states: Collection[int] = (),
     start: tuple[int, torch.Tensor] | None = None,
     attention_hook: AttentionHook | None = None,
+    scored_only: bool = False,
 ) -> ForwardOutput:
     """Run `model` densely over input_ids (B, T) from position 0 (see the module docstring).
 
@@ -80,6 +81,10 @@ def training_forward(
     attention_hook: called as hook(i, h, probs, attn) for every layer i >= capture_from, in order
         (see AttentionHook; calibration takes its statistics there). Those layers then compute
         attention explicitly (a (B, heads, T, T) temporary) instead of with SDPA.
+    scored_only: the SwiftKV path's saving, in training: layers >= L run only the True positions of
+        logits_mask (the only ones the logits need: every token's K/V there comes from h_L). out.hidden
+        and out.states[i] for i > L are then (P, hidden) at those positions, row-major (out.logits'
+        rows); the result equals the full forward's at those positions up to float reassociation.
     """
     cfg = model.config
     n = cfg.num_hidden_layers
@@ -108,10 +113,12 @@ def training_forward(
     bad = [i for i in keep_states if not 0 <= i < n]
     if below or bad:
         raise ValueError(f"keep_states / capture_from {sorted(below + bad)} not in [{first}, {n})")
+    if scored_only and (not swiftkv or logits_mask is None or capture_from is not None):
+        raise ValueError("scored_only needs the SwiftKV path, a logits_mask and no capture_from")
     layers = model.model.layers
     positions = torch.arange(num_tokens, device=input_ids.device)
-    cos, sin = rope_cos_sin(model.inv_freq.to(input_ids.device), positions)  # (T, head_dim)
-    cos, sin = cos.repeat(batch, 1), sin.repeat(batch, 1)  # (B*T, head_dim), row-major over (B, T)
+    cos_t, sin_t = rope_cos_sin(model.inv_freq.to(input_ids.device), positions)  # (T, head_dim)
+    cos, sin = cos_t.repeat(batch, 1), sin_t.repeat(batch, 1)  # (B*T, head_dim), row-major over (B, T)
     masks = {
         w: attention_mask(positions, positions, w) for w in {cfg.window(i) for i in range(n)}
     }  # window -> (T, T) bool, True where a query may see a key
@@ -120,36 +127,63 @@ def training_forward(
     states = {}
     h = model.model.embed_tokens(input_ids) if start is None else start[1]  # (B, T, hidden)
     shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # SwiftKV leader -> pre-RoPE (K, V)
+    query_pos, valid = None, None  # scored_only, from layer L: (B, Q) positions h holds, and which are real
+    q_cos, q_sin = cos, sin
     for i in range(first, n):
         if i == capture_from:
             residual = h
         if i in keep_states:
-            states[i] = h
+            states[i] = h if valid is None else h[valid]
         if i == big_l:
             s = model.model.norm_swiftkv(h).reshape(batch * num_tokens, -1)  # (B*T, hidden)
             for g in range(big_l, n, cfg.key_value_group_size):
                 shared[g] = _project_kv(layers[g].self_attn, s, swiftkv=True)
+            if scored_only:
+                query_pos, valid = _scored_positions(logits_mask)  # (B, Q) each
+                h = h.gather(1, query_pos[..., None].expand(-1, -1, h.shape[-1]))  # (B, Q, hidden)
+                q_cos, q_sin = cos_t[query_pos.flatten()], sin_t[query_pos.flatten()]  # (B*Q, head_dim)
         layer = layers[i]
-        x = layer.input_layernorm(h).reshape(batch * num_tokens, -1)  # (B*T, hidden)
+        num_queries = h.shape[1]
+        x = layer.input_layernorm(h).reshape(batch * num_queries, -1)  # (B*Q, hidden)
         own = i < big_l
         k, v = _project_kv(layer.self_attn, x, swiftkv=False) if own else shared[cfg.group_leader(i)]
         if captured is not None and i >= capture_from:
             captured[i] = (k.view(batch, num_tokens, -1), v.view(batch, num_tokens, -1))
-        q = layer.self_attn.project_q(x, cos, sin, swiftkv=not own)  # (B*T, heads, head_dim)
+        q = layer.self_attn.project_q(x, q_cos, q_sin, swiftkv=not own)  # (B*Q, heads, head_dim)
         k = apply_rope(k.view(batch * num_tokens, -1, cfg.head_dim), cos, sin)
-        mask = masks[cfg.window(i)]
+        mask = masks[cfg.window(i)]  # (T, T)
+        if valid is not None:
+            mask = mask[query_pos][:, None]  # (B, 1, Q, T)
         if attention_hook is not None and i >= capture_from:
             attn, probs = _attention_with_probs(q, k, v, batch, mask, model.scale)
             attention_hook(i, h, probs, attn)
         else:
-            attn = _sdpa(q, k, v, batch, mask, model.scale)  # (B, T, heads * head_dim)
+            attn = _sdpa(q, k, v, batch, mask, model.scale)  # (B, Q, heads * head_dim)
         h = h + layer.self_attn.o_proj(attn)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
+    if valid is not None:
+        h = h[valid]  # (P, hidden)
     logits = None
     if compute_logits:
-        rows = h if logits_mask is None else h[logits_mask]  # (B, T, hidden) / (P, hidden)
+        rows = h if logits_mask is None or valid is not None else h[logits_mask]  # (B, T | P, hidden)
         logits = final_logits(model, rows)
     return ForwardOutput(hidden=h, logits=logits, residual=residual, kv=captured, states=states)
+
+
+def _scored_positions(logits_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits_mask (B, T) bool -> (positions, valid), each (B, Q), Q the most True positions of a row:
+    row b's True positions in ascending order, then padding (position T - 1, valid False).
+
+        _scored_positions(tensor([[0, 1, 1, 0], [1, 0, 0, 0]]).bool())
+        # positions [[1, 2], [0, 3]], valid [[True, True], [True, False]]
+    """
+    num_tokens = logits_mask.shape[1]
+    index = torch.arange(num_tokens, device=logits_mask.device).expand_as(logits_mask)
+    keyed = torch.where(logits_mask, index, num_tokens)  # the unscored positions sort last
+    num_queries = max(int(logits_mask.sum(1).max()), 1)
+    positions = keyed.sort(dim=1).values[:, :num_queries]  # (B, Q)
+    valid = positions < num_tokens
+    return positions.clamp(max=num_tokens - 1), valid
 
 
 def final_logits(model: SwiftKVForCausalLM, h: torch.Tensor) -> torch.Tensor:
@@ -165,10 +199,10 @@ def _project_kv(attn: Attention, x: torch.Tensor, swiftkv: bool) -> tuple[torch.
 
 
 def _heads(q, k, v, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q: (B*T, heads, d), k: (B*T, kv_heads, d), v: (B*T, kv_heads * d) -> each (B, heads, T, d)."""
+    """q: (B*Q, heads, d), k: (B*T, kv_heads, d), v: (B*T, kv_heads * d) -> (B, heads, Q | T, d)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k.shape[1]
-    q = q.view(batch, -1, num_heads, head_dim).transpose(1, 2)  # (B, heads, T, d)
+    q = q.view(batch, -1, num_heads, head_dim).transpose(1, 2)  # (B, heads, Q, d)
     k = k.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # (B, kv_heads, T, d)
     v = v.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
     rep = num_heads // num_kv_heads
@@ -176,8 +210,8 @@ def _heads(q, k, v, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 def _sdpa(q, k, v, batch: int, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: (B*T, heads, d), k: (B*T, kv_heads, d) after RoPE, v: (B*T, kv_heads * d); mask: (T, T) bool.
-    Returns (B, T, heads * d)."""
+    """q: (B*Q, heads, d), k: (B*T, kv_heads, d) after RoPE, v: (B*T, kv_heads * d); mask: (Q, T) or
+    (B, 1, Q, T) bool. Returns (B, Q, heads * d)."""
     q, k, v = _heads(q, k, v, batch)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # (B, heads, T, d)
     return out.transpose(1, 2).reshape(batch, q.shape[2], -1)

@@ -3,6 +3,7 @@ only the SwiftKV parameters, the schedule, checkpoints that resume bit-for-bit, 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import json
@@ -177,7 +178,11 @@ def test_kl_only_runs_the_late_layers_on_the_scored_positions_and_trains_the_sam
     for mult in (0.0, 1e-30):
         model = _student()
         config = DistillConfig(
-            steps=3, lr=1e-2, gradient_accumulation_steps=2, logits_loss_temp=1.0, hidden_loss_mult=mult,
+            steps=3,
+            lr=1e-2,
+            gradient_accumulation_steps=2,
+            logits_loss_temp=1.0,
+            hidden_loss_mult=mult,
             precision="fp32",
         )
         calls = []
@@ -422,8 +427,64 @@ def test_bf16_autocast_on_cpu_trains_fp32_weights_and_lowers_the_kl():
     assert all((before[k] == after[k]) == (k not in trainable) for k in before)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_bf16_copies_of_the_frozen_weights_give_autocasts_steps_bit_for_bit(tied, monkeypatch):
+    """On CPU in bf16, distill holds bf16 copies of the frozen Linear weights and of the output projection
+    (frozen_weights_in_bf16) instead of letting autocast cast them on every use: the same steps, bit for
+    bit; the model's own fp32 Parameters (the same objects) are back on return, and after a failure."""
+    plain = tiny_config(**PLAIN_MODELS["qwen2_hybrid_bias"], tie_word_embeddings=tied)
+    config, state = swiftkv_init(plain, tiny_model(plain, seed=3).state_dict(), 2, 1)
+    batches = _batches(3)
+
+    def student():
+        model = SwiftKVForCausalLM(config).eval()
+        model.load_state_dict(state)
+        return model, dict(model.named_parameters())
+
+    def weight_dtypes(model):
+        seen = []
+        model.model.layers[-1].mlp.down_proj.register_forward_pre_hook(
+            lambda m, a: seen.append(m.weight.dtype)
+        )
+        return seen
+
+    runs = []
+    for copies in (True, False):
+        model, params = student()
+        seen = weight_dtypes(model)
+        with pytest.MonkeyPatch.context() as mp:
+            if not copies:
+                mp.setattr(distill_module, "frozen_weights_in_bf16", lambda *a: contextlib.nullcontext())
+            result = distill(
+                model, batches, DistillConfig(steps=4, lr=1e-2, precision="bf16"), progress=False
+            )
+        assert set(seen) == {torch.bfloat16 if copies else torch.float32}
+        assert all(p is params[k] and p.dtype == torch.float32 for k, p in model.named_parameters())
+        runs.append((result.losses, _snapshot(model)))
+    assert runs[0] == runs[1]
+
+    model, params = student()
+    before = _snapshot(model)
+    calls = []
+    real = distill_module._micro_batch_loss
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("interrupted")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(distill_module, "_micro_batch_loss", failing)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        distill(model, batches, DistillConfig(steps=4, lr=1e-2, precision="bf16"), progress=False)
+    assert all(p is params[k] and p.dtype == torch.float32 for k, p in model.named_parameters())
+    after = _snapshot(model)
+    trainable = set(trainable_parameters(model))
+    assert all(before[k] == after[k] for k in before if k not in trainable)
+
+
 def test_auto_precision_is_measured_once_per_shape(monkeypatch):
-    """"auto" takes bf16 on CPU only when the measured layer is BF16_MIN_SPEEDUP times as fast, asks the
+    """ "auto" takes bf16 on CPU only when the measured layer is BF16_MIN_SPEEDUP times as fast, asks the
     clock once per model shape in a process, and takes bf16 on CUDA without measuring."""
     monkeypatch.setattr(precision_module, "_chosen", {})
     timings = iter([(2.0, 1.0), (1.0, 2.0)])  # (fp32, bf16) seconds of the first and second measurement

@@ -59,7 +59,7 @@ from tqdm.auto import tqdm
 
 from .batch import Batch
 from .forward import ForwardOutput, final_logits, training_forward
-from .precision import autocast, check_precision, resolve_precision
+from .precision import autocast, check_precision, frozen_weights_in_bf16, resolve_precision
 from .trainer_state import (
     TrainerState,
     checkpoint_path,
@@ -241,7 +241,10 @@ def distill(
         for name, p in model.named_parameters():
             p.requires_grad_(name in trainable)
         precision = _resumed_precision(state, device) or resolve_precision(config.precision, model, device)
-        return _train(model, batches, config, trainable, state, ckpt_dir, device, precision, progress)
+        with frozen_weights_in_bf16(model, precision, device) as lm_weight:
+            return _train(
+                model, batches, config, trainable, state, ckpt_dir, device, precision, progress, lm_weight
+            )
     finally:
         for name, p in model.named_parameters():
             p.requires_grad_(flags[name])
@@ -258,6 +261,7 @@ def _train(
     device: torch.device,
     precision: str,
     progress: bool,
+    lm_weight: torch.Tensor | None,
 ) -> DistillResult:
     optimizer = _optimizer(trainable, config)
     history: dict[str, list[float]] = {k: [] for k in _HISTORY}
@@ -288,7 +292,7 @@ def _train(
             index, batch = next(micro_batches)
             batch = batch.to(device)
             with autocast(precision, device):
-                parts = _micro_batch_loss(model, batch, config, cache, index)
+                parts = _micro_batch_loss(model, batch, config, cache, index, lm_weight)
             (parts[0] / accum).backward()
             sums += torch.stack([p.detach().double().cpu() for p in parts])
         max_norm = config.max_grad_norm if config.max_grad_norm is not None else math.inf
@@ -364,11 +368,17 @@ class _TeacherCache:
 
 
 def _micro_batch_loss(
-    model: SwiftKVForCausalLM, batch: Batch, config: DistillConfig, cache: _TeacherCache, index: int
+    model: SwiftKVForCausalLM,
+    batch: Batch,
+    config: DistillConfig,
+    cache: _TeacherCache,
+    index: int,
+    lm_weight: torch.Tensor | None = None,
 ):
     """(loss, logits_loss, hidden_loss) of one Batch (position `index` of the cycle); the teacher runs
     without gradients (or comes from the cache), and the student starts at layer L from the teacher's
-    h_L (its layers < L are the teacher's, frozen)."""
+    h_L (its layers < L are the teacher's, frozen). lm_weight: the output projection to use (None: the
+    model's)."""
     n, big_l = model.config.num_hidden_layers, model.config.num_key_value_layers
     layer = config.hidden_loss_layer % (n + 1)  # n: norm(h_N)
     keep = {layer} if layer < n else set()
@@ -386,7 +396,7 @@ def _micro_batch_loss(
 
     teacher = cache.get(index, run_teacher)
     with torch.no_grad():
-        teacher_logits = final_logits(model, teacher.final)  # (P, vocab)
+        teacher_logits = final_logits(model, teacher.final, lm_weight)  # (P, vocab)
     student = training_forward(
         model,
         batch.input_ids,
@@ -395,6 +405,7 @@ def _micro_batch_loss(
         keep_states=keep,
         start=(teacher.first, teacher.start),
         scored_only=scored_only,
+        lm_weight=lm_weight,
     )
     student_hidden = _hidden_state(model, student, layer)  # (B, T, hidden), or (P, hidden) if scored_only
     return distill_loss(

@@ -66,6 +66,7 @@ def training_forward(
     start: tuple[int, torch.Tensor] | None = None,
     attention_hook: AttentionHook | None = None,
     scored_only: bool = False,
+    lm_weight: torch.Tensor | None = None,
 ) -> ForwardOutput:
     """Run `model` densely over input_ids (B, T) from position 0 (see the module docstring).
 
@@ -85,6 +86,7 @@ def training_forward(
         logits_mask (the only ones the logits need: every token's K/V there comes from h_L). out.hidden
         and out.states[i] for i > L are then (P, hidden) at those positions, row-major (out.logits'
         rows); the result equals the full forward's at those positions up to float reassociation.
+    lm_weight: the output projection (None: model.lm_weight()), for final_logits.
     """
     cfg = model.config
     n = cfg.num_hidden_layers
@@ -166,7 +168,7 @@ def training_forward(
     logits = None
     if compute_logits:
         rows = h if logits_mask is None or valid is not None else h[logits_mask]  # (B, T | P, hidden)
-        logits = final_logits(model, rows)
+        logits = final_logits(model, rows, lm_weight)
     return ForwardOutput(hidden=h, logits=logits, residual=residual, kv=captured, states=states)
 
 
@@ -186,9 +188,12 @@ def _scored_positions(logits_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return positions.clamp(max=num_tokens - 1), valid
 
 
-def final_logits(model: SwiftKVForCausalLM, h: torch.Tensor) -> torch.Tensor:
-    """fp32 logits (..., vocab) of h (..., hidden), the residual stream entering the final norm."""
-    return F.linear(model.model.norm(h), model.lm_weight()).float()
+def final_logits(
+    model: SwiftKVForCausalLM, h: torch.Tensor, weight: torch.Tensor | None = None
+) -> torch.Tensor:
+    """fp32 logits (..., vocab) of h (..., hidden), the residual stream entering the final norm;
+    weight: the output projection (vocab, hidden) (None: model.lm_weight(), e.g. a bf16 copy of it)."""
+    return F.linear(model.model.norm(h), model.lm_weight() if weight is None else weight).float()
 
 
 def _project_kv(attn: Attention, x: torch.Tensor, swiftkv: bool) -> tuple[torch.Tensor, torch.Tensor]:

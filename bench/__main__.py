@@ -20,6 +20,7 @@ BENCHMARKS = {
     "tp": "tp",
     "gpu": "gpu",
     "quality": "quality",
+    "distill-step": "distill_step",
     "serve": "serve",
 }
 ALL = ["prefill", "throughput", "kvcache", "memory"]
@@ -36,6 +37,7 @@ tables show the median [min-max] over the rounds, and ratios are computed round 
   memory      KV bytes per token and maximum concurrency across L and G (AcrossKV), per rank at TP=3
   tp          tensor parallelism N = 1, 2, 3: KV bytes, blocks, concurrency per rank; step time vs N = 1
   quality     how closely SwiftKV students answer like the model, per L, beside the prefill speedup
+  distill-step  a distillation micro-batch's time per loss and per bf16 weight handling
   serve       swiftkv serve (SwiftKV off/on) vs transformers serve under 1, 4, 16 concurrent chat clients
   gpu         short CUDA benchmark for `nox -s gpu` (exits 0 with a message without CUDA)
   all         prefill, throughput, kvcache, memory

@@ -160,7 +160,8 @@ def add_parsers(sub) -> None:
         default=1.0,
         metavar="W",
         help="distillation: weight of the MSE between the student's and the teacher's hidden state entering "
-        "the last layer (Snowflake's 1; 0 trains on the KL alone)",
+        "the last layer (Snowflake's 1; 0 trains on the KL alone, which scored better here, and runs the "
+        "layers >= L only where the KL is taken: 1.15x per step on the embedded model)",
     )
     t.add_argument(
         "--precision",

@@ -99,7 +99,7 @@ def step_cases(
                         loss = _micro_batch_loss(model, batch, config, cache, index, lm_weight)[0]
                     loss.backward()
                     model.zero_grad(set_to_none=True)
-                    total += float(loss)
+                    total += float(loss.detach())
                 return {"loss": total}
 
             call()  # the teacher's outputs, as an epoch after the first finds them

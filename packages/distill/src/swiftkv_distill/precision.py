@@ -60,9 +60,10 @@ def frozen_weights_in_bf16(model: SwiftKVForCausalLM, precision: str, device: to
     its bf16 copy, and the context yields a bf16 copy of the output projection (model.lm_weight(), for
     final_logits; None otherwise). The arithmetic is bit for bit autocast's, which casts those fp32
     tensors on every use (its cache keeps only tensors that require grad), once per micro-batch and
-    forward: on the embedded model at L = 15, ~1,050 -> ~950 ms per cached-teacher micro-batch of 1,024
-    tokens. The copies cost half the frozen weights' bytes, so CUDA (where the casts are cheap next to
-    a step and memory is the limit) keeps autocast's casts. The original fp32 Parameters are put back on
+    forward: on the embedded model at L = 15 (2-core Xeon, AMX), 1,040 -> 936 ms per cached-teacher
+    micro-batch of 1,024 tokens (`python -m bench distill-step`, KL alone). The copies cost half the
+    frozen weights' bytes (256 MiB there, logged), so CUDA (where the casts are cheap next to a step and
+    memory is the limit) keeps autocast's casts. The original fp32 Parameters are put back on
     exit, whatever happens.
 
         with frozen_weights_in_bf16(model, "bf16", device) as lm_weight:
@@ -83,7 +84,13 @@ def frozen_weights_in_bf16(model: SwiftKVForCausalLM, precision: str, device: to
                     copy = param.detach().bfloat16()
                     module._parameters[name] = torch.nn.Parameter(copy, requires_grad=False)
         lm_weight = model.lm_weight().detach()
-        yield lm_weight if lm_weight.dtype == torch.bfloat16 else lm_weight.bfloat16()
+        lm_weight = lm_weight if lm_weight.dtype == torch.bfloat16 else lm_weight.bfloat16()
+        copies = [module._parameters[name] for module, name, _ in swapped]
+        nbytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in [*copies, lm_weight]}.values())
+        logger.info(
+            "bf16 copies of %d frozen weights for the distillation: %.0f MiB", len(copies), nbytes / 2**20
+        )
+        yield lm_weight
     finally:
         for module, name, param in reversed(swapped):
             module._parameters[name] = param

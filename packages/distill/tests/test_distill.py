@@ -103,16 +103,17 @@ def test_loss_gradient_equals_autograd_of_the_formula_across_chunks(monkeypatch)
     hidden = torch.randn(4, 6, generator=g)
     for chunk_bytes in (1 << 20, 4 * 13 * 2):  # one chunk; two rows per chunk
         monkeypatch.setattr(_ChunkedKL, "CHUNK_BYTES", chunk_bytes)
-        for temperature in (2.0, 0.7):
+        # T = 1 and an upstream factor of 1 skip their (exact) divisions and multiplication
+        for temperature, factor in ((2.0, 3.0), (0.7, 3.0), (1.0, 3.0), (1.0, 1.0)):
             s_ref, s_got = s0.clone().requires_grad_(), s0.clone().requires_grad_()
             log_t = torch.log_softmax(t_logits / temperature, -1)
             log_s = torch.log_softmax(s_ref / temperature, -1)
             want = (log_t.exp() * (log_t - log_s)).sum() / 9 * temperature**2
             want.backward()
             got = distill_loss(s_got, t_logits, hidden, hidden, temperature, 1.0)[0]
-            (3.0 * got).backward()  # an upstream factor reaches the gradient
+            (factor * got).backward()  # an upstream factor reaches the gradient
             assert float(got) == pytest.approx(float(want), rel=1e-6)
-            torch.testing.assert_close(s_got.grad, 3.0 * s_ref.grad, rtol=1e-5, atol=1e-8)
+            torch.testing.assert_close(s_got.grad, factor * s_ref.grad, rtol=1e-5, atol=1e-8)
 
 
 def _layer_input(model: SwiftKVForCausalLM, layer: int, ids: torch.Tensor, swiftkv: bool) -> torch.Tensor:

@@ -170,7 +170,9 @@ class _ChunkedKL(torch.autograd.Function):
     computed in the same pass, CHUNK_BYTES of rows at a time: each chunk's softmaxes stay in cache
     where autograd's graph makes a dozen passes over (P, vocab) tensors in memory. Measured on CPU for
     800 positions x 49,152 tokens: 373 ms forward + backward against autograd's 741 (of a ~5 s step).
-    The gradient is kept for backward."""
+    The gradient is kept for backward, scaled in the chunk's pass; at T = 1 and without accumulation the
+    divisions and the multiplication by the upstream gradient, exact no-ops, are skipped (768 x 49,152 on
+    the 2-core Xeon: 285 -> 211 ms, bit for bit)."""
 
     CHUNK_BYTES = 4 << 20
 
@@ -180,13 +182,16 @@ class _ChunkedKL(torch.autograd.Function):
         grad = torch.empty(student.shape, dtype=torch.float32, device=student.device)
         total = torch.zeros((), dtype=torch.float64, device=student.device)
         step = max(1, _ChunkedKL.CHUNK_BYTES // max(4 * vocab, 1))
+        scale = temperature / max(rows, 1)
         for a in range(0, rows, step):
-            log_p_student = F.log_softmax(student[a : a + step].float() / temperature, dim=-1)
-            log_p_teacher = F.log_softmax(teacher[a : a + step].float() / temperature, dim=-1)
+            s, t = student[a : a + step].float(), teacher[a : a + step].float()
+            if temperature != 1.0:  # x / 1 is x: at T = 1 the two passes are skipped, bit for bit
+                s, t = s / temperature, t / temperature
+            log_p_student = F.log_softmax(s, dim=-1)
+            log_p_teacher = F.log_softmax(t, dim=-1)
             p_teacher = log_p_teacher.exp()
             total += (p_teacher * (log_p_teacher - log_p_student)).sum(dtype=torch.float64)
-            torch.sub(log_p_student.exp_(), p_teacher, out=grad[a : a + step])
-        grad *= temperature / max(rows, 1)
+            torch.sub(log_p_student.exp_(), p_teacher, out=grad[a : a + step]).mul_(scale)
         ctx.save_for_backward(grad)
         ctx.student_dtype = student.dtype
         return (total * temperature**2 / max(rows, 1)).float()
@@ -194,7 +199,9 @@ class _ChunkedKL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (grad,) = ctx.saved_tensors
-        return (grad * grad_output).to(ctx.student_dtype), None, None
+        if grad_output.device.type != "cpu" or float(grad_output) != 1.0:  # one step, no accumulation: 1
+            grad = grad * grad_output
+        return grad.to(ctx.student_dtype), None, None
 
 
 def trainable_parameters(model: SwiftKVForCausalLM) -> dict[str, torch.nn.Parameter]:

@@ -429,7 +429,7 @@ def test_bf16_autocast_on_cpu_trains_fp32_weights_and_lowers_the_kl():
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_bf16_copies_of_the_frozen_weights_give_autocasts_steps_bit_for_bit(tied, monkeypatch):
+def test_bf16_copies_of_the_frozen_weights_give_autocasts_steps_bit_for_bit(tied, monkeypatch, caplog):
     """On CPU in bf16, distill holds bf16 copies of the frozen Linear weights and of the output projection
     (frozen_weights_in_bf16) instead of letting autocast cast them on every use: the same steps, bit for
     bit; the model's own fp32 Parameters (the same objects) are back on return, and after a failure."""
@@ -450,9 +450,14 @@ def test_bf16_copies_of_the_frozen_weights_give_autocasts_steps_bit_for_bit(tied
         return seen
 
     runs = []
+    caplog.set_level(logging.INFO, logger="swiftkv_distill.precision")
     for copies in (True, False):
         model, params = student()
         seen = weight_dtypes(model)
+        trainable = trainable_parameters(model)
+        linear = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        frozen = [p for m in linear for p in m.parameters() if all(p is not t for t in trainable.values())]
+        caplog.clear()
         with pytest.MonkeyPatch.context() as mp:
             if not copies:
                 mp.setattr(distill_module, "frozen_weights_in_bf16", lambda *a: contextlib.nullcontext())
@@ -460,6 +465,8 @@ def test_bf16_copies_of_the_frozen_weights_give_autocasts_steps_bit_for_bit(tied
                 model, batches, DistillConfig(steps=4, lr=1e-2, precision="bf16"), progress=False
             )
         assert set(seen) == {torch.bfloat16 if copies else torch.float32}
+        if copies:  # the frozen Linear tensors, and the output projection once more only when tied
+            assert f"bf16 copies of {len(frozen) + int(tied)} frozen weights" in caplog.text
         assert all(p is params[k] and p.dtype == torch.float32 for k, p in model.named_parameters())
         runs.append((result.losses, _snapshot(model)))
     assert runs[0] == runs[1]

@@ -71,7 +71,7 @@ def step_cases(
     (make_student() per case; the teacher's outputs computed here, once). The "copies" cases hold their
     bf16 weights until `stack` closes. Each call returns {"loss": the sum of the micro-batches' losses}."""
     import torch
-    from swiftkv_distill.distill import DistillConfig, _micro_batch_loss, _TeacherCache, trainable_parameters
+    from swiftkv_distill.distill import DistillConfig, TeacherCache, _micro_batch_loss, trainable_parameters
     from swiftkv_distill.precision import autocast, frozen_weights_in_bf16
 
     device = torch.device("cpu")
@@ -90,13 +90,13 @@ def step_cases(
             lm_weight = None
             if handling == "copies":
                 lm_weight = stack.enter_context(frozen_weights_in_bf16(model, precision, device))
-            cache = _TeacherCache(1 << 40)
+            cache = TeacherCache(model.config, config, max_bytes=1 << 40)
 
             def call(model=model, config=config, cache=cache, lm_weight=lm_weight) -> dict:
                 total = 0.0
-                for index, batch in enumerate(batches):
+                for batch in batches:
                     with autocast(precision, device):
-                        loss = _micro_batch_loss(model, batch, config, cache, index, lm_weight)[0]
+                        loss = _micro_batch_loss(model, batch, config, cache, lm_weight)[0]
                     loss.backward()
                     model.zero_grad(set_to_none=True)
                     total += float(loss.detach())

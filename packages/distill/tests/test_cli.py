@@ -137,8 +137,24 @@ def test_data_file_and_distillation_steps(teacher, tmp_path, monkeypatch):
     data = write_jsonl(tmp_path / "data.jsonl", DATA)
     out = tmp_path / "student"
     rc, stdout, stderr = run(
-        "distill", teacher, out, "-L", "2", "-G", "2", "--data", data, "--steps", "2", "--precision", "bf16",
-        "--logits-loss-temp", "1.5", "--hidden-loss-mult", "0", *FAST,
+        "distill",
+        teacher,
+        out,
+        "-L",
+        "2",
+        "-G",
+        "2",
+        "--data",
+        data,
+        "--steps",
+        "2",
+        "--precision",
+        "bf16",
+        "--logits-loss-temp",
+        "1.5",
+        "--hidden-loss-mult",
+        "0",
+        *FAST,
     )
     assert rc == 0, stderr
     report = json.loads((out / "eval.json").read_text())

@@ -13,7 +13,14 @@ import math
 import pytest
 import torch
 from swiftkv_distill.batch import Batch
-from swiftkv_distill.distill import DistillConfig, distill, distill_loss, trainable_parameters
+from swiftkv_distill.calibrate import calibrate
+from swiftkv_distill.distill import (
+    DistillConfig,
+    TeacherCache,
+    distill,
+    distill_loss,
+    trainable_parameters,
+)
 from swiftkv_distill.forward import training_forward
 from swiftkv_distill.precision import resolve_precision
 from swiftkv_distill.trainer_state import META_FILE, TENSORS_FILE, list_checkpoints
@@ -271,6 +278,63 @@ def test_teacher_cache_changes_nothing_but_the_work(caplog):
     assert "3 computed, 2 reused" in runs[1.0][2] and "reused" not in runs[0.0][2]
     assert runs[1.0][1].losses == runs[0.0][1].losses
     assert all(torch.equal(runs[1.0][0][k], runs[0.0][0][k]) for k in runs[0.0][0])
+
+
+@pytest.mark.parametrize(
+    "hidden_loss_mult, hidden_loss_layer", [(1.0, -2), (0.0, -2), (1.0, 1), (1.0, -1)]
+)  # the MSE at layer 3, none (scored rows only), below L (the student starts there), after the final norm
+def test_calibrations_teacher_pass_fills_the_first_epoch(caplog, hidden_loss_mult, hidden_loss_layer):
+    """Calibration's teacher pass over the same batches (in another order) fills a TeacherCache: the
+    distillation then runs no teacher forward, and its losses and tensors equal a run that computes
+    the teacher itself (calibration attends explicitly, not with SDPA: equal up to reassociation).
+    Batches distillation will not read are not kept."""
+    teacher = tiny_model(tiny_config(**PLAIN_MODELS["qwen2_hybrid_bias"]), seed=3)
+    batches = _batches(4)
+    shuffled = [batches[i] for i in (2, 0, 3, 1)]
+    config, state = calibrate(teacher, batches, 2, progress=False)
+    init = SwiftKVForCausalLM(config).eval()
+    init.load_state_dict(state)
+    distill_config = DistillConfig(
+        steps=6,
+        lr=3e-3,
+        hidden_loss_mult=hidden_loss_mult,
+        hidden_loss_layer=hidden_loss_layer,
+        precision="fp32",
+    )
+    cache = TeacherCache(config, distill_config)
+    cache.expect(shuffled[:3])  # the fourth batch is not read by this distillation
+    calibrate(
+        teacher,
+        batches,
+        2,
+        progress=False,
+        keep_states=cache.keep_states,
+        on_batch=lambda batch, out: cache.offer(teacher, batch, out),
+    )
+    assert len(cache.outputs) == 3 and cache.num_misses == 0
+    runs = {}
+    for name, teacher_cache in (("own", None), ("calibration's", cache)):
+        model = copy.deepcopy(init)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="swiftkv_distill.distill"):
+            result = distill(model, shuffled[:3], distill_config, progress=False, teacher_cache=teacher_cache)
+        runs[name] = (model.state_dict(), result, caplog.text)
+    assert "0 computed, 6 reused" in runs["calibration's"][2] and "3 computed, 3 reused" in runs["own"][2]
+    for key in ("losses", "logits_losses", "hidden_losses", "grad_norms"):
+        torch.testing.assert_close(
+            getattr(runs["calibration's"][1], key), getattr(runs["own"][1], key), rtol=1e-4, atol=1e-6
+        )
+    for k, v in runs["own"][0].items():
+        torch.testing.assert_close(runs["calibration's"][0][k], v, rtol=1e-4, atol=1e-4)  # Adam: ~sign steps
+
+
+def test_a_teacher_cache_for_another_loss_is_refused():
+    model = _student("llama", 2)
+    before = copy.deepcopy(model.state_dict())
+    cache = TeacherCache(model.config, DistillConfig(steps=1, hidden_loss_mult=0.0))
+    with pytest.raises(ValueError, match="teacher_cache was made for another model or loss"):
+        distill(model, _batches(2), DistillConfig(steps=1), progress=False, teacher_cache=cache)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
 def test_resume_equals_an_uninterrupted_run(tmp_path):

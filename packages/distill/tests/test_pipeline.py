@@ -231,7 +231,13 @@ def test_run_distill_trains_on_the_training_share_only(teacher, tmp_path, monkey
         )
 
     spy("calibrate", pipeline.calibrate, lambda teacher, batches, *a, **k: sequences(batches))
-    spy("distill", pipeline.distill, lambda student, batches, config, **k: (sequences(batches), config))
+    caches = []
+
+    def distill_args(student, batches, config, **kwargs):
+        caches.append((batches, kwargs["teacher_cache"]))
+        return sequences(batches), config
+
+    spy("distill", pipeline.distill, distill_args)
     spy(
         "evaluate",
         pipeline.evaluate,
@@ -244,6 +250,12 @@ def test_run_distill_trains_on_the_training_share_only(teacher, tmp_path, monkey
     want_fit = sorted(e.token_ids for e in train[:calibration_samples])
     assert seen["calibrate"] == [want_fit] and seen["distill"] == [(want_train, settings.distill_config())]
     assert seen["evaluate"] == [sorted(e.token_ids for e in heldout)] * 2  # calibrated, then distilled
+    # calibration's teacher pass kept distillation's batches that it saw (all of them if it read them all)
+    ((train_batches, cache),) = caches
+    if calibration_samples is None:
+        assert set(cache.outputs) == {cache.key(b) for b in train_batches} and cache.num_misses == 0
+    else:
+        assert set(cache.outputs) <= {cache.key(b) for b in train_batches}
     assert (report.num_train_examples, report.num_heldout_examples) == (len(train), len(heldout))
     assert report.num_train_tokens == sum(len(e) for e in train)
     assert list(report.results) == ["calibrated", "distilled"]

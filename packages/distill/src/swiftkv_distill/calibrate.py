@@ -70,7 +70,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -81,7 +81,7 @@ from swiftkv_reference.model import RMSNorm, SwiftKVForCausalLM
 from tqdm.auto import tqdm
 
 from .batch import Batch
-from .forward import training_forward
+from .forward import ForwardOutput, training_forward
 
 logger = logging.getLogger(__name__)
 
@@ -309,6 +309,8 @@ def calibrate(
     weighting: str = DEFAULT_WEIGHTING,
     answers_only: bool = False,
     progress: bool = True,
+    keep_states: Collection[int] = (),
+    on_batch: Callable[[Batch, ForwardOutput], object] | None = None,
 ) -> tuple[SwiftKVConfig, dict[str, torch.Tensor]]:
     """A SwiftKV (config, state_dict) whose k/v_proj_swiftkv are fitted to `teacher` (a plain model,
     L == N) on `batches`; every other tensor as `swiftkv_init` sets it (Snowflake's names, the
@@ -323,6 +325,8 @@ def calibrate(
         weighting=weighting,
         answers_only=answers_only,
         progress=progress,
+        keep_states=keep_states,
+        on_batch=on_batch,
     )
     return fit(teacher, statistics, ridge)
 
@@ -336,11 +340,18 @@ def collect_statistics(
     weighting: str = DEFAULT_WEIGHTING,
     answers_only: bool = False,
     progress: bool = True,
+    keep_states: Collection[int] = (),
+    on_batch: Callable[[Batch, ForwardOutput], object] | None = None,
 ) -> CalibrationStatistics:
     """calibrate's pass over `batches`: one teacher forward per batch, on the teacher's device, without
     gradients; a tqdm bar over batches. Key rows (and value rows with uniform weighting): every real
     token, or only the answer tokens with answers_only; the attention weighting's queries are the answer
-    tokens. L, G, the weighting and the statistics' memory are checked before any batch is read."""
+    tokens. L, G, the weighting and the statistics' memory are checked before any batch is read.
+
+    on_batch(batch, out), if given, sees each batch (on the teacher's device) and the teacher's
+    ForwardOutput over it: `residual` (h_L), `hidden` (the stream entering the final norm) and the
+    `states` of keep_states; distillation keeps them (TeacherCache.offer) instead of running the same
+    teacher again."""
     if weighting not in WEIGHTINGS:
         raise ValueError(f"weighting must be one of {', '.join(WEIGHTINGS)}, got {weighting!r}")
     config = _student_config(teacher, num_key_value_layers, key_value_group_size)
@@ -388,7 +399,10 @@ def collect_statistics(
                     compute_logits=False,
                     capture_from=big_l,
                     attention_hook=hook,
+                    keep_states=keep_states,
                 )
+                if on_batch is not None:
+                    on_batch(batch, out)
                 s = norm(out.residual[rows])  # (n_rows, hidden)
                 num_tokens += s.shape[0]
                 num_queries += int(batch.answer_mask.sum())

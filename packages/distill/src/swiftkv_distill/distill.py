@@ -44,6 +44,7 @@ continues from the newest one, skipping the micro-batches it consumed, bit-for-b
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import math
 import os
@@ -218,6 +219,7 @@ def distill(
     resume: bool = False,
     device: torch.device | str | None = None,
     progress: bool = True,
+    teacher_cache: TeacherCache | None = None,
 ) -> DistillResult:
     """Train `model`'s SwiftKV parameters in place (see the module docstring); returns the history.
 
@@ -226,8 +228,11 @@ def distill(
         checkpoints go; it must hold none unless `resume`. resume: continue from its newest checkpoint
         (none there: start at step 0). The settings, the model, the checkpoint and the batches are
         checked before any work (a refusal leaves the model untouched); on return the requires_grad
-        flags and the train/eval mode are as they were."""
+        flags and the train/eval mode are as they were. teacher_cache: the teacher's outputs already
+        computed (e.g. by calibration's pass, see TeacherCache), used and added to; None: a new one."""
     _check_model(model, config)
+    if teacher_cache is not None:
+        teacher_cache.check(model, config)
     trainable = trainable_parameters(model)
     if isinstance(batches, Iterator):
         raise TypeError(
@@ -250,7 +255,17 @@ def distill(
         precision = _resumed_precision(state, device) or resolve_precision(config.precision, model, device)
         with frozen_weights_in_bf16(model, precision, device) as lm_weight:
             return _train(
-                model, batches, config, trainable, state, ckpt_dir, device, precision, progress, lm_weight
+                model,
+                batches,
+                config,
+                trainable,
+                state,
+                ckpt_dir,
+                device,
+                precision,
+                progress,
+                lm_weight,
+                teacher_cache,
             )
     finally:
         for name, p in model.named_parameters():
@@ -269,6 +284,7 @@ def _train(
     precision: str,
     progress: bool,
     lm_weight: torch.Tensor | None,
+    teacher_cache: TeacherCache | None,
 ) -> DistillResult:
     optimizer = _optimizer(trainable, config)
     history: dict[str, list[float]] = {k: [] for k in _HISTORY}
@@ -285,7 +301,7 @@ def _train(
 
     accum = config.gradient_accumulation_steps
     micro_batches = _cycle(batches, skip=start * accum)
-    cache = _TeacherCache(int(config.teacher_cache_gib * 2**30))
+    cache = teacher_cache if teacher_cache is not None else TeacherCache(model.config, config)
     params = list(trainable.values())
     bar = tqdm(total=config.steps, initial=start, desc="distill", unit="step", disable=not progress)
     t0 = time.perf_counter()
@@ -296,10 +312,10 @@ def _train(
         optimizer.zero_grad(set_to_none=True)
         sums = torch.zeros(3, dtype=torch.float64)  # loss, logits_loss, hidden_loss
         for _ in range(accum):
-            index, batch = next(micro_batches)
+            batch = next(micro_batches)
             batch = batch.to(device)
             with autocast(precision, device):
-                parts = _micro_batch_loss(model, batch, config, cache, index, lm_weight)
+                parts = _micro_batch_loss(model, batch, config, cache, lm_weight)
             (parts[0] / accum).backward()
             sums += torch.stack([p.detach().double().cpu() for p in parts])
         max_norm = config.max_grad_norm if config.max_grad_norm is not None else math.inf
@@ -340,7 +356,7 @@ def _train(
 
 
 @dataclass
-class _TeacherOutputs:
+class TeacherOutputs:
     """What the loss needs from the teacher for one micro-batch (the same every epoch)."""
 
     first: int  # the layer where the two paths part (the student starts there)
@@ -353,55 +369,113 @@ class _TeacherOutputs:
         return sum(t.numel() * t.element_size() for t in (self.start, self.hidden, self.final))
 
 
-class _TeacherCache:
-    """The teacher's outputs per micro-batch position in the cycle, kept while they fit in max_bytes:
-    later epochs then skip the teacher's forward (its logits are one lm_head away from `final`)."""
+class TeacherCache:
+    """The teacher's outputs per micro-batch, keyed by its tokens and masks, kept while they fit in
+    max_bytes (default: config.teacher_cache_gib): later epochs then skip the teacher's forward (its
+    logits are one lm_head away from `final`).
 
-    def __init__(self, max_bytes: int):
-        self.max_bytes, self.nbytes = max_bytes, 0
-        self.outputs: dict[int, _TeacherOutputs] = {}
-        self.num_hits = self.num_misses = 0
+    Any teacher forward over a batch that kept `keep_states` can fill it (`offer`), e.g. calibration's
+    pass, which runs the same teacher over the same batches in another order (`expect` limits what is
+    kept to the batches distillation will read):
 
-    def get(self, index: int, compute) -> _TeacherOutputs:
-        if index in self.outputs:
+        cache = TeacherCache(student.config, distill_config)
+        cache.expect(train_batches)
+        calibrate(teacher, cal_batches, 15, keep_states=cache.keep_states,
+                  on_batch=lambda batch, out: cache.offer(teacher, batch, out))
+        distill(student, train_batches, distill_config, teacher_cache=cache)  # no teacher forward left
+    """
+
+    def __init__(self, student_config, config: DistillConfig, max_bytes: int | None = None):
+        n = student_config.num_hidden_layers
+        self.num_hidden_layers, self.num_key_value_layers = n, student_config.num_key_value_layers
+        self.hidden_loss_layer = config.hidden_loss_layer % (n + 1)  # n: norm(h_N)
+        self.scored_only = config.hidden_loss_mult == 0  # the student's layers >= L run the scored rows only
+        self.first = min(self.num_key_value_layers, self.hidden_loss_layer)  # where the two paths part
+        self.hidden_states = frozenset({self.hidden_loss_layer} - {n})  # what the student keeps
+        self.keep_states = self.hidden_states | {self.first}  # what a teacher forward must keep
+        self.max_bytes = int(config.teacher_cache_gib * 2**30) if max_bytes is None else max_bytes
+        self.nbytes = self.num_hits = self.num_misses = 0
+        self.outputs: dict[tuple, TeacherOutputs] = {}
+        self._expected: set[tuple] | None = None
+
+    @staticmethod
+    def key(batch: Batch) -> tuple:
+        digest = hashlib.blake2b(digest_size=16)
+        for t in (batch.input_ids, batch.attention_mask, batch.answer_mask):
+            digest.update(t.detach().cpu().contiguous().numpy().tobytes())
+        return tuple(batch.input_ids.shape), digest.hexdigest()
+
+    def expect(self, batches: Iterable[Batch]) -> None:
+        """offer() keeps only these batches' outputs from now on."""
+        self._expected = {self.key(b) for b in batches}
+
+    def teacher_outputs(self, model: SwiftKVForCausalLM, batch: Batch, out: ForwardOutput) -> TeacherOutputs:
+        """The record of a teacher forward over `batch` (on its device) that kept `keep_states`."""
+        rows = batch.logits_mask if self.scored_only else batch.attention_mask  # (B, T): where the MSE is
+        hidden = _hidden_state(model, out, self.hidden_loss_layer)[rows]
+        return TeacherOutputs(self.first, out.states[self.first], hidden, out.hidden[batch.logits_mask])
+
+    def offer(self, model: SwiftKVForCausalLM, batch: Batch, out: ForwardOutput) -> bool:
+        """Keep the outputs of a teacher forward done elsewhere, if expected and there is room."""
+        key = self.key(batch)
+        if key in self.outputs or (self._expected is not None and key not in self._expected):
+            return False
+        return self._put(key, self.teacher_outputs(model, batch, out))
+
+    def get(self, model: SwiftKVForCausalLM, batch: Batch) -> TeacherOutputs:
+        """The teacher's outputs for `batch`: kept, or computed now (and kept if there is room)."""
+        key = self.key(batch)
+        if key in self.outputs:
             self.num_hits += 1
-            return self.outputs[index]
+            return self.outputs[key]
         self.num_misses += 1
-        out = compute()
-        if self.nbytes + out.nbytes <= self.max_bytes:
-            self.outputs[index] = out
-            self.nbytes += out.nbytes
-        return out
+        with torch.no_grad():
+            out = training_forward(
+                model, batch.input_ids, swiftkv=False, compute_logits=False, keep_states=self.keep_states
+            )
+            outputs = self.teacher_outputs(model, batch, out)
+        self._put(key, outputs)
+        return outputs
+
+    def _signature(self) -> tuple:
+        return (
+            self.num_hidden_layers,
+            self.num_key_value_layers,
+            self.first,
+            self.keep_states,
+            self.scored_only,
+        )
+
+    def _put(self, key: tuple, outputs: TeacherOutputs) -> bool:
+        if self.nbytes + outputs.nbytes > self.max_bytes:
+            return False
+        self.outputs[key] = outputs
+        self.nbytes += outputs.nbytes
+        return True
+
+    def check(self, model: SwiftKVForCausalLM, config: DistillConfig) -> None:
+        """Refuse a cache made for another model or loss."""
+        other = TeacherCache(model.config, config, 0)
+        mine, theirs = self._signature(), other._signature()
+        if mine != theirs:
+            raise ValueError(
+                "teacher_cache was made for another model or loss (layers, L, first layer, kept states, "
+                f"scored rows only: {mine}, this run needs {theirs})"
+            )
 
 
 def _micro_batch_loss(
     model: SwiftKVForCausalLM,
     batch: Batch,
     config: DistillConfig,
-    cache: _TeacherCache,
-    index: int,
+    cache: TeacherCache,
     lm_weight: torch.Tensor | None = None,
 ):
-    """(loss, logits_loss, hidden_loss) of one Batch (position `index` of the cycle); the teacher runs
-    without gradients (or comes from the cache), and the student starts at layer L from the teacher's
-    h_L (its layers < L are the teacher's, frozen). lm_weight: the output projection to use (None: the
+    """(loss, logits_loss, hidden_loss) of one Batch; the teacher runs without gradients (or comes from
+    the cache), and the student starts at layer `cache.first` from the teacher's state there (its
+    layers below are the teacher's, frozen). lm_weight: the output projection to use (None: the
     model's)."""
-    n, big_l = model.config.num_hidden_layers, model.config.num_key_value_layers
-    layer = config.hidden_loss_layer % (n + 1)  # n: norm(h_N)
-    keep = {layer} if layer < n else set()
-    scored_only = config.hidden_loss_mult == 0
-    rows = batch.logits_mask if scored_only else batch.attention_mask  # (B, T): where the MSE is taken
-
-    def run_teacher() -> _TeacherOutputs:
-        first = min(big_l, layer)  # where the two paths part (or the hidden loss's layer, if earlier)
-        with torch.no_grad():
-            out = training_forward(
-                model, batch.input_ids, swiftkv=False, compute_logits=False, keep_states=keep | {first}
-            )
-            hidden = _hidden_state(model, out, layer)[rows]
-        return _TeacherOutputs(first, out.states[first], hidden, out.hidden[batch.logits_mask])
-
-    teacher = cache.get(index, run_teacher)
+    teacher = cache.get(model, batch)
     with torch.no_grad():
         teacher_logits = final_logits(model, teacher.final, lm_weight)  # (P, vocab)
     student = training_forward(
@@ -409,12 +483,14 @@ def _micro_batch_loss(
         batch.input_ids,
         swiftkv=True,
         logits_mask=batch.logits_mask,
-        keep_states=keep,
+        keep_states=cache.hidden_states,
         start=(teacher.first, teacher.start),
-        scored_only=scored_only,
+        scored_only=cache.scored_only,
         lm_weight=lm_weight,
     )
-    student_hidden = _hidden_state(model, student, layer)  # (B, T, hidden), or (P, hidden) if scored_only
+    # (B, T, hidden), or (P, hidden) if scored_only
+    student_hidden = _hidden_state(model, student, cache.hidden_loss_layer)
+    rows = batch.logits_mask if cache.scored_only else batch.attention_mask
     return distill_loss(
         student.logits,
         teacher_logits,
@@ -431,14 +507,14 @@ def _hidden_state(model: SwiftKVForCausalLM, out: ForwardOutput, layer: int) -> 
     return out.states[layer] if layer < model.config.num_hidden_layers else model.model.norm(out.hidden)
 
 
-def _cycle(batches: Iterable[Batch], skip: int) -> Iterator[tuple[int, Batch]]:
-    """(position in `batches`, batch), in order, over and over, after skipping the first `skip`."""
+def _cycle(batches: Iterable[Batch], skip: int) -> Iterator[Batch]:
+    """The batches in order, over and over, after skipping the first `skip`."""
     while True:
-        for index, batch in enumerate(batches):
+        for batch in batches:
             if skip:
                 skip -= 1
                 continue
-            yield index, batch
+            yield batch
 
 
 def _optimizer(trainable: dict[str, torch.nn.Parameter], config: DistillConfig) -> torch.optim.AdamW:

@@ -38,7 +38,7 @@ from .data import (
     load_jsonl,
     split_holdout,
 )
-from .distill import DistillConfig, distill
+from .distill import DistillConfig, TeacherCache, distill
 from .evaluate import EvalResult, evaluate
 from .export import export_student
 from .precision import check_precision
@@ -249,7 +249,7 @@ def run_distill(
     the held-out data; write it to out_dir (atomically, with eval.json / eval.png beside it)."""
     teacher_dir = resolve_teacher_dir(teacher_dir)
     out_dir = Path(out_dir)
-    settings.student_config(load_config(teacher_dir))  # L and G fit the teacher
+    student_config = settings.student_config(load_config(teacher_dir))  # L and G fit the teacher
     check_conversion_paths(teacher_dir.resolve(), out_dir.resolve(), overwrite)
     check_checkpoint_flags(settings, checkpoint_dir, resume)
     tokenizer = load_teacher_tokenizer(teacher_dir)
@@ -267,6 +267,16 @@ def run_distill(
 
     teacher = load_model(teacher_dir).to(settings.device)
     t = time.perf_counter()
+    train_batches = batches(train, settings.batch_tokens, pad, seed=settings.seed) if settings.steps else None
+    teacher_cache, keep_states, on_batch = None, (), None
+    if train_batches is not None:  # calibration's teacher pass also gives distillation's first epoch
+        teacher_cache = TeacherCache(student_config, settings.distill_config())
+        teacher_cache.expect(train_batches)
+        keep_states = teacher_cache.keep_states
+
+        def on_batch(batch, out):
+            teacher_cache.offer(teacher, batch, out)
+
     config, state = calibrate(
         teacher,
         batches(fit_examples, settings.batch_tokens, pad),
@@ -274,6 +284,8 @@ def run_distill(
         settings.key_value_group_size,
         ridge=settings.ridge,
         weighting=settings.weighting,
+        keep_states=keep_states,
+        on_batch=on_batch,
     )
     seconds["calibrate"] = time.perf_counter() - t
     student = _model(config, state, settings.device)
@@ -281,7 +293,6 @@ def run_distill(
     if settings.steps:
         results["calibrated"] = _evaluate(teacher, student, heldout, settings)
         t = time.perf_counter()
-        train_batches = batches(train, settings.batch_tokens, pad, seed=settings.seed)
         ran["distill_precision"] = distill(  # what "auto" resolved to
             student,
             train_batches,
@@ -289,7 +300,9 @@ def run_distill(
             checkpoint_dir=checkpoint_dir,
             resume=resume,
             device=settings.device,
+            teacher_cache=teacher_cache,
         ).precision
+        del teacher_cache
         seconds["distill"] = time.perf_counter() - t
         state = {k: v.detach().cpu() for k, v in student.state_dict().items()}
     t = time.perf_counter()

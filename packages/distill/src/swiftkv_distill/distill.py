@@ -32,7 +32,9 @@ see precision.py). Where we differ from ArcticTraining:
   linearly), and step s (0-based) of the warm-up uses lr * (s + 1) / warmup_steps, so no step has lr 0.
 
 Batches are read in order and cycled (so `batches` must be re-iterable and give the same sequence
-each time for a resumed run to equal an uninterrupted one). Checkpoints (trainer_state.py) hold the
+each time for a resumed run to equal an uninterrupted one); the teacher's outputs are kept for later
+epochs (TeacherCache), and `swiftkv distill` fills them from calibration's pass over the same batches,
+so no epoch runs the teacher again. Checkpoints (trainer_state.py) hold the
 trainable tensors, AdamW's state, the step, the RNG states and the loss history; `resume=True`
 continues from the newest one, skipping the micro-batches it consumed, bit-for-bit on CPU.
 

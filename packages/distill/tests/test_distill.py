@@ -328,12 +328,19 @@ def test_calibrations_teacher_pass_fills_the_first_epoch(caplog, hidden_loss_mul
         torch.testing.assert_close(runs["calibration's"][0][k], v, rtol=1e-4, atol=1e-4)  # Adam: ~sign steps
 
 
-def test_a_teacher_cache_for_another_loss_is_refused():
+@pytest.mark.parametrize(
+    "made_for, run",
+    [
+        (dict(hidden_loss_mult=0.0), dict()),  # scored rows only against every row
+        (dict(hidden_loss_layer=-1), dict(hidden_loss_layer=2)),  # the MSE's targets: norm(h_4) against h_2
+    ],
+)
+def test_a_teacher_cache_for_another_loss_is_refused(made_for, run):
     model = _student("llama", 2)
     before = copy.deepcopy(model.state_dict())
-    cache = TeacherCache(model.config, DistillConfig(steps=1, hidden_loss_mult=0.0))
+    cache = TeacherCache(model.config, DistillConfig(steps=1, **made_for))
     with pytest.raises(ValueError, match="teacher_cache was made for another model or loss"):
-        distill(model, _batches(2), DistillConfig(steps=1), progress=False, teacher_cache=cache)
+        distill(model, _batches(2), DistillConfig(steps=1, **run), progress=False, teacher_cache=cache)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 

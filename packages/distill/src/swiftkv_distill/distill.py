@@ -57,6 +57,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from swiftkv_reference.config import SwiftKVConfig
 from swiftkv_reference.model import SwiftKVForCausalLM
 from tqdm.auto import tqdm
 
@@ -387,7 +388,7 @@ class TeacherCache:
         distill(student, train_batches, distill_config, teacher_cache=cache)  # no teacher forward left
     """
 
-    def __init__(self, student_config, config: DistillConfig, max_bytes: int | None = None):
+    def __init__(self, student_config: SwiftKVConfig, config: DistillConfig, max_bytes: int | None = None):
         n = student_config.num_hidden_layers
         self.num_hidden_layers, self.num_key_value_layers = n, student_config.num_key_value_layers
         self.hidden_loss_layer = config.hidden_loss_layer % (n + 1)  # n: norm(h_N)
@@ -440,13 +441,8 @@ class TeacherCache:
         return outputs
 
     def _signature(self) -> tuple:
-        return (
-            self.num_hidden_layers,
-            self.num_key_value_layers,
-            self.first,
-            self.keep_states,
-            self.scored_only,
-        )
+        """What the kept records depend on (first and keep_states follow from it)."""
+        return self.num_hidden_layers, self.num_key_value_layers, self.hidden_loss_layer, self.scored_only
 
     def _put(self, key: tuple, outputs: TeacherOutputs) -> bool:
         if self.nbytes + outputs.nbytes > self.max_bytes:
@@ -461,7 +457,7 @@ class TeacherCache:
         mine, theirs = self._signature(), other._signature()
         if mine != theirs:
             raise ValueError(
-                "teacher_cache was made for another model or loss (layers, L, first layer, kept states, "
+                "teacher_cache was made for another model or loss (layers, L, hidden-loss layer, "
                 f"scored rows only: {mine}, this run needs {theirs})"
             )
 

@@ -75,7 +75,7 @@ def _chat(*pairs) -> str:
 
 def test_builtin_prompts_are_many_distinct_and_hold_out_the_demo_question():
     prompts = builtin_prompts()
-    assert len(prompts) >= 300
+    assert len(prompts) >= 1000
     assert len(set(prompts)) == len(prompts)
     assert all(p == p.strip() and p for p in prompts)
     assert sum("capital" in p.lower() for p in prompts) >= 10

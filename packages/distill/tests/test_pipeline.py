@@ -11,6 +11,7 @@ import re
 import shutil
 
 import pytest
+import swiftkv_distill.data as data_module
 import swiftkv_distill.pipeline as pipeline
 import torch
 from swiftkv_distill.calibrate import CALIBRATION_VERSION
@@ -347,6 +348,13 @@ def test_cached_student_keys(tmp_path, monkeypatch):
         path, cached = cached_student(changed, base, cache_root=root)
         assert not cached and path != first and path.name.startswith("L2-G1-"), name
     (teacher / "notes.txt").write_text("not part of the model")
+    assert cached_student(teacher, base, cache_root=root) == (first, True)
+
+    prompts = pipeline.builtin_prompts()  # another built-in prompt set: another student
+    monkeypatch.setattr(data_module, "builtin_prompts", lambda: [*prompts, "One more prompt."])
+    path, cached = cached_student(teacher, base, cache_root=root)
+    assert not cached and path != first
+    monkeypatch.setattr(data_module, "builtin_prompts", lambda: prompts)
     assert cached_student(teacher, base, cache_root=root) == (first, True)
 
 

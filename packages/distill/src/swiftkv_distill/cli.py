@@ -85,7 +85,7 @@ def add_parsers(sub) -> None:
         help="make SwiftKV weights for a plain checkpoint (calibration, optional distillation)",
         usage="%(prog)s [MODEL] OUT --num-key-value-layers L [options]",
         description="Turn a plain Llama / Mistral / Qwen2 checkpoint into a SwiftKV checkpoint that answers "
-        "like it. The teacher (the model itself) answers a few hundred built-in prompts (or --data); the "
+        "like it. The teacher (the model itself) answers about 1,500 built-in prompts (or --data); the "
         "SwiftKV K/V projections are fitted to its own K/V in closed form (minutes on a CPU); --steps N "
         "adds Snowflake's distillation. A held-out share of the data is never trained on: the student is "
         "evaluated on it against the teacher, and the figures are written next to the checkpoint "

@@ -1,7 +1,7 @@
 """Distillation data: `Example`s (token ids + where the answer starts) written by the teacher from the
 built-in prompt set or read from the user's JSONL, the held-out split, and packing into `Batch`es.
 
-    prompts = builtin_prompts()                     # a few hundred short instructions (prompts.txt)
+    prompts = builtin_prompts()                     # ~1,500 short instructions (prompts.txt)
     examples = generate_teacher_data(llm, prompts, num_samples=200, max_tokens=256, temperature=0.7, seed=0)
     examples = load_jsonl("data.jsonl", tokenizer)  # {"messages": [...]} or {"text": "..."} per line
     train, heldout = split_holdout(examples, share=0.1, seed=0)
@@ -77,6 +77,12 @@ def builtin_prompts() -> list[str]:
     """The built-in prompt set (package data prompts.txt): one instruction per non-blank line."""
     text = resources.files(__package__).joinpath("prompts.txt").read_text(encoding="utf-8")
     return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def builtin_prompts_fingerprint() -> str:
+    """sha256 of the built-in prompt set: the data a student of the built-in prompts was made from, so a
+    cached student is made again when the set changes."""
+    return hashlib.sha256("\n".join(builtin_prompts()).encode()).hexdigest()
 
 
 def generate_teacher_data(

@@ -34,6 +34,7 @@ from .data import (
     Example,
     batches,
     builtin_prompts,
+    builtin_prompts_fingerprint,
     generate_teacher_data,
     load_jsonl,
     split_holdout,
@@ -354,12 +355,17 @@ def cached_student(
 ) -> tuple[Path, bool]:
     """The student for (teacher, settings), distilled once and kept under the user cache directory
     (`swiftkv_reference.default_model.cache_dir()/students/<key>`), keyed by a hash of the teacher's
-    files and of the settings. -> (directory, True when it was already there)."""
+    files, of the built-in prompts and of the settings. -> (directory, True when it was already there)."""
     from swiftkv_reference.default_model import cache_dir
 
     teacher_dir = resolve_teacher_dir(teacher_dir)
     key_text = json.dumps(
-        {"teacher": teacher_fingerprint(teacher_dir), **settings.cache_key()}, sort_keys=True
+        {
+            "teacher": teacher_fingerprint(teacher_dir),
+            "prompts": builtin_prompts_fingerprint(),
+            **settings.cache_key(),
+        },
+        sort_keys=True,
     )
     key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
     root = Path(cache_root) if cache_root is not None else cache_dir() / "students"

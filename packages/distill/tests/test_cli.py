@@ -160,7 +160,8 @@ def test_data_file_and_distillation_steps(teacher, tmp_path, monkeypatch):
     report = json.loads((out / "eval.json").read_text())
     assert list(report["results"]) == ["calibrated", "distilled"]
     assert report["settings"]["steps"] == 2
-    assert report["settings"]["precision"] == report["settings"]["distill_precision"] == "bf16"
+    settings = report["settings"]
+    assert settings["precision"] == settings["resolved_precision"] == settings["distill_precision"] == "bf16"
     assert (report["settings"]["logits_loss_temp"], report["settings"]["hidden_loss_mult"]) == (1.5, 0.0)
     assert report["results"]["distilled"]["key_value_group_size"] == 2
     assert "calibrated" in stdout and "distilled" in stdout

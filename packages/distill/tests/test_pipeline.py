@@ -109,7 +109,7 @@ def test_cache_key_is_every_setting_but_the_device_and_the_calibrations_version(
 
 
 def test_cache_key_leaves_out_the_distillation_settings_without_steps():
-    distillation = {"logits_loss_temp": 1.0, "hidden_loss_mult": 0.0, "precision": "fp32"}
+    distillation = {"logits_loss_temp": 1.0, "hidden_loss_mult": 0.0}
     plain = DistillSettings(num_key_value_layers=3).cache_key()
     assert DistillSettings(num_key_value_layers=3, **distillation).cache_key() == plain
     assert not set(distillation) & set(plain)
@@ -117,6 +117,13 @@ def test_cache_key_leaves_out_the_distillation_settings_without_steps():
     for name, value in distillation.items():
         changed = DistillSettings(num_key_value_layers=3, steps=5, **{name: value}).cache_key()
         assert changed[name] == value and changed != trained, name
+    # the precision reaches a calibrated student too (its data and calibration's pass run in it)
+    for steps in (0, 5):
+        fp32 = DistillSettings(num_key_value_layers=3, steps=steps, precision="fp32").cache_key()
+        assert (
+            fp32["precision"] == "fp32"
+            and fp32 != DistillSettings(num_key_value_layers=3, steps=steps).cache_key()
+        )
 
 
 def test_cache_key_holds_calibration_samples_when_set():
@@ -263,9 +270,47 @@ def test_run_distill_trains_on_the_training_share_only(teacher, tmp_path, monkey
     assert {"data", "calibrate", "distill", "evaluate"} <= set(report.seconds)
     assert report.out_dir == tmp_path / "out" and report.config.num_key_value_layers == 2
     saved = json.loads((tmp_path / "out" / "eval.json").read_text())
-    resolved = saved["settings"].pop("distill_precision")  # what "auto" measured on this machine
+    resolved = saved["settings"].pop("resolved_precision")  # what "auto" measured on this machine
+    assert saved["settings"].pop("distill_precision") == resolved  # the steps ran in it too
     assert saved["settings"] == settings.cache_key() and resolved in ("fp32", "bf16")
     assert saved["results"]["distilled"]["num_examples"] == len(heldout)
+
+
+@pytest.mark.parametrize("resolved, matmul_precision", [("bf16", "high"), ("fp32", "highest")])
+def test_the_resolved_precision_reaches_the_data_and_the_calibration(
+    teacher, tmp_path, monkeypatch, resolved, matmul_precision
+):
+    """The precision is resolved once, before the teacher writes its answers: bf16 lets the engine take
+    bf16x3 products (matmul_precision "high"), and calibration's pass runs in it; eval.json names it."""
+    import swiftkv_fast
+
+    seen = {}
+    examples = load_jsonl(_write(tmp_path / "data.jsonl", DATA), load_tokenizer(teacher))
+
+    class RecordingLLM:
+        def __init__(self, model, **kwargs):
+            seen["llm"] = kwargs
+
+    def calibrate(*args, **kwargs):
+        seen["calibrate"] = kwargs["precision"]
+        return real_calibrate(*args, **kwargs)
+
+    real_calibrate = pipeline.calibrate
+    monkeypatch.setattr(pipeline, "resolve_precision", lambda precision, model, device: resolved)
+    monkeypatch.setattr(swiftkv_fast, "LLM", RecordingLLM)
+    monkeypatch.setattr(pipeline, "generate_teacher_data", lambda llm, prompts, **kwargs: examples)
+    monkeypatch.setattr(pipeline, "calibrate", calibrate)
+    settings = DistillSettings(num_key_value_layers=2, greedy_tokens=0, batch_tokens=256)
+    run_distill(teacher, tmp_path / "out", settings)
+    assert seen == {"llm": seen["llm"], "calibrate": resolved}
+    assert seen["llm"]["matmul_precision"] == matmul_precision
+    saved = json.loads((tmp_path / "out" / "eval.json").read_text())
+    assert saved["settings"]["resolved_precision"] == resolved and saved["settings"]["precision"] == "auto"
+
+
+def _write(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
 
 
 def plain_teacher(path, seed=0):

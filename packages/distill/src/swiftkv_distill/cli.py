@@ -52,8 +52,8 @@ def _add_data_flags(p: argparse.ArgumentParser) -> None:
         help="teacher answers to generate (without --data). On the embedded model at L = 15 the calibration "
         "scores 0.705 / 0.725 held-out agreement fitted on 256 / 1,024 answers (10-fold cross-validation by "
         "prompt; the fit levels off above: 2,048 gained 0.002; 240 distillation steps at lr 1e-3 on 1,024 "
-        "answers reach 0.763); 1,024 answers cost ~6-8 min of generation and ~9-10 min of calibration on 2 "
-        "CPU cores (Intel Xeon, AMD EPYC Zen 4)",
+        "answers reach 0.763); 1,024 answers cost ~4-8 min of generation and ~3-10 min of calibration on 2 "
+        "CPU cores (the lower figures on an Intel Xeon with AMX in bf16, see --precision)",
     )
     g.add_argument("--max-tokens", type=int, default=256, help="longest teacher answer, in tokens")
     g.add_argument(
@@ -66,6 +66,18 @@ def _add_data_flags(p: argparse.ArgumentParser) -> None:
         help="share of the prompts kept for evaluation only (never calibrated or trained on)",
     )
     g.add_argument("--seed", type=int, default=0, help="seeds the teacher's sampling and the held-out split")
+    p.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="auto",
+        help="the arithmetic of the teacher's and the student's passes. fp32; or bf16: the teacher writes "
+        "its answers with bf16x3 products where the engine measures them faster (Intel AMX; about fp32's "
+        "accuracy), calibration's pass runs under bf16 autocast with fp32 products for its statistics, and "
+        "distillation under bf16 autocast over fp32 weights. auto: bf16 on CUDA; on CPU, bf16 when one "
+        "decoder layer of the model runs at least 1.2x as fast in it (measured at start-up: CPUs with "
+        "AVX512-BF16 or AMX; the same held-out agreement), else fp32. `eval` writes the held-out answers "
+        "again: give it the precision `distill` ran in",
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument(
         "--greedy-tokens", type=int, default=32, help="greedy agreement over this many tokens per prompt"
@@ -163,15 +175,6 @@ def add_parsers(sub) -> None:
         "the last layer (Snowflake's 1; 0 trains on the KL alone, which scored better here, and runs the "
         "layers >= L only where the KL is taken: 1.15x per step on the embedded model)",
     )
-    t.add_argument(
-        "--precision",
-        choices=PRECISIONS,
-        default="auto",
-        help="distillation arithmetic: fp32, or bf16 autocast over fp32 weights. auto: bf16 on CUDA; on CPU, "
-        "bf16 when one decoder layer of the model runs at least 1.2x as fast in it (measured at start-up: "
-        "CPUs with AVX512-BF16 or AMX; on the embedded model on a 2-core Zen 4, steps 1.7x as fast and the "
-        "same agreement), else fp32",
-    )
     t.add_argument("--checkpoint-dir", type=Path, default=None, help="where distillation checkpoints go")
     t.add_argument("--resume", action="store_true", help="continue distillation from --checkpoint-dir")
     d.add_argument("--overwrite", action="store_true", help="replace OUT if it already holds a checkpoint")
@@ -206,6 +209,7 @@ def _settings(args, num_key_value_layers: int, key_value_group_size: int, **fit)
         greedy_tokens=args.greedy_tokens,
         seed=args.seed,
         device=args.device,
+        precision=args.precision,
         **fit,
     )
 
@@ -228,7 +232,6 @@ def _distill(args) -> None:
         lr=args.lr,
         logits_loss_temp=args.logits_loss_temp,
         hidden_loss_mult=args.hidden_loss_mult,
-        precision=args.precision,
     )
     if args.data is not None and not args.data.is_file():
         raise FileNotFoundError(f"--data {str(args.data)!r} is not a file")
@@ -248,11 +251,13 @@ def _distill(args) -> None:
 
 
 def _eval(args) -> None:
+    import torch
     from swiftkv_reference.checkpoint import load_config, load_model
 
     from .data import split_holdout
     from .evaluate import evaluate
     from .pipeline import load_examples, load_teacher_tokenizer
+    from .precision import resolve_precision
     from .report import format_table, write_report
 
     for name in ("teacher", "student"):
@@ -276,12 +281,17 @@ def _eval(args) -> None:
             f"(teacher vs student: {'; '.join(differ)})"
         )
     tokenizer = load_teacher_tokenizer(args.teacher)
-    _, heldout = split_holdout(
-        load_examples(args.teacher, settings, args.data, tokenizer),
-        share=settings.holdout_share,
-        seed=args.seed,
-    )
+    if args.data is not None:  # read and split (or refused) before the models load
+        _, heldout = split_holdout(
+            load_examples(args.teacher, settings, args.data, tokenizer),
+            settings.holdout_share,
+            seed=args.seed,
+        )
     teacher = load_model(args.teacher).to(args.device)
+    if args.data is None:  # the teacher writes its answers again, in the precision distill resolved
+        precision = resolve_precision(settings.precision, teacher, torch.device(args.device))
+        examples = load_examples(args.teacher, settings, None, tokenizer, precision)
+        _, heldout = split_holdout(examples, settings.holdout_share, seed=args.seed)
     student = load_model(args.student).to(args.device)
     results = {"student": evaluate(teacher, student, heldout, greedy_tokens=args.greedy_tokens)}
     print(format_table(results))

@@ -127,6 +127,12 @@ def test_fp32_products_on_centred_rows_match_fp64(bias, weighted):
 
     want = accumulate(torch.float64).solve(1e-8)[0][0]
     fp32 = accumulate(torch.float32)
+    empty_first = Accumulator(64, {0: 8}, bias, weighted=weighted, product_dtype=torch.float32)
+    empty_first.update(s[:0], {0: y[:0]}, {0: w[:0]} if weighted else None)  # no rows: no centre from them
+    for a in range(0, n, 700):
+        rows = slice(a, a + 700)
+        empty_first.update(s[rows], {0: y[rows]}, {0: w[rows]} if weighted else None)
+    torch.testing.assert_close(empty_first.solve(1e-8)[0][0], fp32.solve(1e-8)[0][0], rtol=0, atol=0)
     got = fp32.copy().solve(1e-8)[0][0]
     assert float((got - want).abs().max()) < 1e-5
     torch.testing.assert_close(fp32.solve(1e-8)[0][0], got, rtol=0, atol=0)  # copy() kept everything

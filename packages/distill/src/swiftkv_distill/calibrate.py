@@ -263,6 +263,8 @@ class Accumulator:
         pooled value rows are averages: nearly one vector plus a little). The centres never change, so
         the rank-one terms are summed (a, sum w, sum w y) and added to S^T W S and S^T W Y when they
         are read (_flush)."""
+        if s.shape[0] == 0:  # nothing to add, and no centre to take from no rows
+            return
         if self._center is None:
             self._center = s.mean(0)  # the bias column's is 1: its centred column is 0
         c64 = s - self._center  # (n, width)

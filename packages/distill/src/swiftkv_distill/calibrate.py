@@ -148,10 +148,9 @@ class Accumulator:
             raise ValueError(f"product_dtype must be torch.float64 or torch.float32, got {product_dtype}")
         self.in_features, self.bias, self.weighted = in_features, bias, weighted
         self.product_dtype = product_dtype
-        # fp32 products: every update's rows are centred on the first update's mean, each target on its
-        # key's first mean; fp64 (width,) and key -> (out,)
+        # fp32 products: every update's rows are centred on the first update's mean (fp64 (width,)), each
+        # target on its first mean (_Pending.nu)
         self._center: torch.Tensor | None = None
-        self._target_centers: dict[Hashable, torch.Tensor] = {}
         self._pending: dict[int, _Pending] = {}  # S^T W S index -> its terms not yet added (_flush)
         width = in_features + int(bias)
         self.out_features = dict(out_features)
@@ -197,8 +196,7 @@ class Accumulator:
         self._flush()
         out = self.zeros()
         out.sts, out.sty = self.sts.clone(), self.sty.clone()
-        out._rows, out.num_rows = dict(self._rows), self.num_rows
-        out._center, out._target_centers = self._center, dict(self._target_centers)  # no pending terms
+        out._rows, out.num_rows = dict(self._rows), self.num_rows  # its updates take centres of their own
         return out
 
     def update(
@@ -277,12 +275,10 @@ class Accumulator:
         for j, keys, w in groups:
             y = torch.cat([targets[key].detach().to(s) for key in keys], dim=1)  # (n, out)
             columns = slice(self._columns[keys[0]].start, self._columns[keys[-1]].stop)  # consecutive
-            if j not in self._pending:
-                for key in keys:
-                    if key not in self._target_centers:
-                        self._target_centers[key] = targets[key].detach().to(s).mean(0)
-                nu = torch.cat([self._target_centers[key] for key in keys])  # (out,)
-                self._pending[j] = _Pending(columns, nu, s.new_zeros(s.shape[1]), s.new_zeros(y.shape[1]))
+            if j not in self._pending:  # the targets' centre: their first mean
+                self._pending[j] = _Pending(
+                    columns, y.mean(0), s.new_zeros(s.shape[1]), s.new_zeros(y.shape[1])
+                )
             pending = self._pending[j]
             cw = c if w is None else c * w.float()[:, None]
             self.sts[j] += (cw.T @ c).double()

@@ -10,6 +10,17 @@ request's KV heads split over several items (a run of heads each). Per item: the
 every position, a softmax (max-subtracted, exp by a Cephes polynomial), then the weighted sum of V.
 With a window W only positions >= seq_len - W are read; a row with seq_len 0 (padding) gets zeros.
 
+Positions go in runs of DW (16 lanes with AVX-512, 8 with AVX2) inside one block: a run's DW dot
+products of one query are folded into one vector of DW scores by DW - 1 two-vector shuffles
+(`lane_sums`) instead of a horizontal sum each, its weighted V rows add up in registers (GROUP x VCH
+vectors) instead of in the output's memory, the softmax's maximum is DW running maxima, and the
+prefetch runs two runs ahead over K's runs and then V's. One thread with the rows in L2 (2 requests
+x 300 tokens, 9 heads, 3 KV heads, head_dim 64; 2-core Intel Xeon, AVX-512): 82 -> 53 ns per
+position (the serial scalar max alone was a fifth of the time). 16 requests x 300 tokens, 30 layers,
+2 threads, caches swept out of L3 between rounds, interleaved over 8 rounds, median per step: blocks
+scattered 21.2 -> 19.2 ms, blocks in order (as a fresh block pool hands them out) 16.0 -> 14.3 ms;
+built for AVX2 (-march=haswell) on the same CPU 20.9 -> 19.8 and 19.4 -> 16.8 ms.
+
 Measured against the gather + SDPA path it replaces, interleaved in one process (16 requests x 300
 tokens, 9 heads, 3 KV heads, head_dim 64, blocks scattered over a cache larger than L3; AMD EPYC, AVX2):
 4-7x faster per layer (0.50 vs 2.96 ms at 2 threads); in the engine (bench throughput --profile,
@@ -45,75 +56,158 @@ from swiftkv_fast.kernels.cpu_compile import compiler  # noqa: F401  (re-exporte
 ENV_SWITCH = "SWIFTKV_CPU_DECODE_KERNEL"
 MAX_GROUP = 16  # query heads per KV head the kernel keeps in registers / on the stack
 
-SOURCE = cpu_compile.EXPF + r"""
+SOURCE = (
+    cpu_compile.EXPF
+    + r"""
 #include <float.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define DV (HEAD_DIM / 8)
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
+/* The scores' and the outputs' vectors: DW lanes (16 with AVX-512 where HEAD_DIM allows, else 8). */
+#if defined(__AVX512F__) && HEAD_DIM % 16 == 0
+#define DW 16
+#define DW_EVEN {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}
+#define DW_ODD {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}
+#else
+#define DW 8
+#define DW_EVEN {0, 2, 4, 6, 8, 10, 12, 14}
+#define DW_ODD {1, 3, 5, 7, 9, 11, 13, 15}
+#endif
+#define NV (HEAD_DIM / DW)
+typedef float dvec __attribute__((vector_size(4 * DW), aligned(4)));
+typedef int32_t dveci __attribute__((vector_size(4 * DW)));
+/* output vectors accumulated at once per query group: GROUP x VCH of them stay in registers */
+#define VCAP (16 / GROUP > 0 ? 16 / GROUP : 1)
+#define VCH (NV % 8 == 0 && VCAP >= 8 ? 8 : NV % 4 == 0 && VCAP >= 4 ? 4 : NV % 2 == 0 && VCAP >= 2 ? 2 : 1)
 
-static inline float hsum(v8 a) {
-    float s = 0.f;
-    for (int i = 0; i < 8; i++) s += a[i];
-    return s;
+/* x[0..DW) -> one vector whose lane i is the sum of x[i]'s lanes (x is overwritten): pairs of
+   vectors fold into one, each half the other's pairwise sums, DW - 1 shuffle pairs in all where DW
+   separate horizontal sums take log2(DW) each. */
+static inline dvec lane_sums(dvec *x) {
+    const dveci even = DW_EVEN, odd = DW_ODD;
+    #pragma GCC unroll 4
+    for (int n = DW; n > 1; n /= 2)
+        #pragma GCC unroll 8
+        for (int i = 0; i < n / 2; i++)
+            x[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], even)
+                   + __builtin_shuffle(x[2 * i], x[2 * i + 1], odd);
+    return x[0];
+}
+
+/* Where the run of positions [t, t + DW) (cut at its block's end and at n) starts in k (or v). */
+static inline const float *run_at(const float *base, const int32_t *bt, int64_t block_stride, int64_t bs,
+                                  int64_t row, int64_t t) {
+    return base + (int64_t)bt[t / bs] * block_stride + (t % bs) * row;
+}
+
+static inline int64_t run_end(int64_t t, int64_t bs, int64_t n) {
+    const int64_t block_end = (t / bs + 1) * bs, end = t + DW < block_end ? t + DW : block_end;
+    return end < n ? end : n;
+}
+
+/* Prefetch into L2 the rows [t, run_end(t)) of the run at p: width values each, row apart. */
+static inline void prefetch_run(const float *p, int64_t rows, int64_t row, int64_t width) {
+    if (width == row) width *= rows, rows = 1;  /* every head's values: one contiguous stretch */
+    for (int64_t i = 0; i < rows; i++) {
+        const float *r = p + i * row;
+        #pragma GCC unroll 4
+        for (int64_t j = 0; j < width; j += 16) __builtin_prefetch(r + j, 0, 1);
+    }
+}
+
+#define PF_RUNS 2  /* runs prefetched ahead of the one being read */
+
+/* The prefetch cursor walks K's runs, then V's: *tp in [start, n) is K's run at *tp, in [n, n + len)
+   V's at *tp - len. One call prefetches the run at the cursor and moves it on. */
+static inline void prefetch_next(int64_t *tp, const float *k, const float *v, const int32_t *bt,
+                                 int64_t block_stride, int64_t bs, int64_t row, int64_t width, int64_t start,
+                                 int64_t n) {
+    const int64_t len = n - start;
+    if (*tp < n) {
+        const int64_t e = run_end(*tp, bs, n);
+        prefetch_run(run_at(k, bt, block_stride, bs, row, *tp), e - *tp, row, width);
+        *tp = e < n ? e : n;
+    } else if (*tp < n + len) {
+        const int64_t t = *tp - len, e = run_end(t, bs, n);
+        prefetch_run(run_at(v, bt, block_stride, bs, row, t), e - t, row, width);
+        *tp = e + len;
+    }
 }
 
 /* KV heads [h0, h1) of one request against positions [start, n): q: (heads, HEAD_DIM) from head h0's
    first query on; k, v point at head h0's values of block 0, row 0; s: (h1 - h0) * GROUP * (n - start)
-   scores; o: (h1 - h0) * GROUP * HEAD_DIM outputs. A position's values of these heads are adjacent
-   (all heads: one contiguous run per block), read in order while the same values of the next block
-   are prefetched into L2: blocks sit anywhere in the cache. */
+   scores; o: (h1 - h0) * GROUP * HEAD_DIM outputs. Positions go in runs of up to DW inside one block
+   (a position's values of these heads are adjacent, so a run is one contiguous stretch of memory),
+   the next run prefetched into L2 while this one is used: blocks sit anywhere in the cache. A run's
+   scores of one query come out as one vector (lane_sums), its outputs add up in registers. */
 static void attend(const float *q, const float *k, const float *v, int64_t block_stride, const int32_t *bt,
                    int64_t bs, int64_t row, int64_t h0, int64_t h1, int64_t start, int64_t n, float scale,
                    float *s, float *o) {
     const int64_t len = n - start, heads = (h1 - h0) * GROUP, width = (h1 - h0) * HEAD_DIM;
+    int64_t tp = start;
+    for (int d = 0; d < PF_RUNS; d++) prefetch_next(&tp, k, v, bt, block_stride, bs, row, width, start, n);
     for (int64_t t0 = start; t0 < n;) {
-        const int64_t b = t0 / bs, t1 = (b + 1) * bs < n ? (b + 1) * bs : n;
-        const float *kb = k + (int64_t)bt[b] * block_stride + (t0 - b * bs) * row;
-        const float *next = t1 < n ? k + (int64_t)bt[b + 1] * block_stride : kb;
-        for (int64_t t = t0; t < t1; t++, kb += row, next += row) {
-            for (int64_t j = 0; j < width; j += 16) __builtin_prefetch(next + j, 0, 1);
-            for (int64_t h = 0; h < h1 - h0; h++) {
-                const float *kh = kb + h * HEAD_DIM, *qh = q + h * GROUP * HEAD_DIM;
-                v8 acc[GROUP];
-                const v8 k0 = *(const v8 *)kh;
-                for (int g = 0; g < GROUP; g++) acc[g] = *(const v8 *)(qh + g * HEAD_DIM) * k0;
-                for (int j = 1; j < DV; j++) {
-                    const v8 kj = *(const v8 *)(kh + 8 * j);
-                    for (int g = 0; g < GROUP; g++) acc[g] += *(const v8 *)(qh + g * HEAD_DIM + 8 * j) * kj;
+        const int64_t t1 = run_end(t0, bs, n), rows = t1 - t0;
+        const float *kr = run_at(k, bt, block_stride, bs, row, t0);
+        prefetch_next(&tp, k, v, bt, block_stride, bs, row, width, start, n);
+        for (int64_t h = 0; h < h1 - h0; h++) {
+            for (int g = 0; g < GROUP; g++) {
+                const float *qg = q + (h * GROUP + g) * HEAD_DIM;
+                dvec qv[NV], acc[DW];
+                for (int j = 0; j < NV; j++) qv[j] = *(const dvec *)(qg + DW * j);
+                #pragma GCC unroll 16
+                for (int i = 0; i < DW; i++) {
+                    const float *kh = kr + i * row + h * HEAD_DIM;
+                    dvec a = {0};
+                    if (i < rows)
+                        for (int j = 0; j < NV; j++) a += qv[j] * *(const dvec *)(kh + DW * j);
+                    acc[i] = a;
                 }
-                for (int g = 0; g < GROUP; g++) s[(h * GROUP + g) * len + (t - start)] = hsum(acc[g]) * scale;
+                const dvec sc = lane_sums(acc) * scale;
+                float *si = s + (h * GROUP + g) * len + (t0 - start);
+                if (rows == DW) *(dvec *)si = sc;
+                else for (int64_t i = 0; i < rows; i++) si[i] = sc[i];
             }
         }
         t0 = t1;
     }
     for (int64_t i = 0; i < heads; i++) {  /* softmax: each query's scores become its weights */
-        float *si = s + i * len, m = -FLT_MAX, total = 0.f;
-        for (int64_t t = 0; t < len; t++) m = si[t] > m ? si[t] : m;
-        for (int64_t t = 0; t < len; t++) {
+        float *si = s + i * len, lane_max[DW], m = -FLT_MAX, total = 0.f;
+        int64_t t = 0;
+        for (int l = 0; l < DW; l++) lane_max[l] = -FLT_MAX;
+        for (; t + DW <= len; t += DW)  /* DW running maxima: one vector max per DW scores */
+            for (int l = 0; l < DW; l++) lane_max[l] = si[t + l] > lane_max[l] ? si[t + l] : lane_max[l];
+        for (; t < len; t++) m = si[t] > m ? si[t] : m;
+        for (int l = 0; l < DW; l++) m = lane_max[l] > m ? lane_max[l] : m;
+        for (t = 0; t < len; t++) {
             const float e = swiftkv_expf(si[t] - m);
             si[t] = e;
             total += e;
         }
         const float inv = len > 0 ? 1.f / total : 0.f;
-        for (int64_t t = 0; t < len; t++) si[t] *= inv;
+        for (t = 0; t < len; t++) si[t] *= inv;
     }
     memset(o, 0, sizeof(float) * heads * HEAD_DIM);
     for (int64_t t0 = start; t0 < n;) {
-        const int64_t b = t0 / bs, t1 = (b + 1) * bs < n ? (b + 1) * bs : n;
-        const float *vb = v + (int64_t)bt[b] * block_stride + (t0 - b * bs) * row;
-        const float *next = t1 < n ? v + (int64_t)bt[b + 1] * block_stride : vb;
-        for (int64_t t = t0; t < t1; t++, vb += row, next += row) {
-            for (int64_t j = 0; j < width; j += 16) __builtin_prefetch(next + j, 0, 1);
-            for (int64_t h = 0; h < h1 - h0; h++) {
-                const float *vh = vb + h * HEAD_DIM;
-                for (int g = 0; g < GROUP; g++) {
-                    const float p = s[(h * GROUP + g) * len + (t - start)];
-                    float *oi = o + (h * GROUP + g) * HEAD_DIM;
-                    for (int j = 0; j < DV; j++) *(v8 *)(oi + 8 * j) += p * *(const v8 *)(vh + 8 * j);
+        const int64_t t1 = run_end(t0, bs, n), rows = t1 - t0;
+        const float *vr = run_at(v, bt, block_stride, bs, row, t0);
+        prefetch_next(&tp, k, v, bt, block_stride, bs, row, width, start, n);
+        for (int64_t h = 0; h < h1 - h0; h++) {
+            for (int j0 = 0; j0 < NV; j0 += VCH) {
+                float *oh = o + h * GROUP * HEAD_DIM + DW * j0;
+                dvec acc[GROUP][VCH];
+                for (int g = 0; g < GROUP; g++)
+                    for (int j = 0; j < VCH; j++) acc[g][j] = *(dvec *)(oh + g * HEAD_DIM + DW * j);
+                for (int64_t i = 0; i < rows; i++) {
+                    const float *vh = vr + i * row + h * HEAD_DIM + DW * j0;
+                    for (int g = 0; g < GROUP; g++) {
+                        const float p = s[(h * GROUP + g) * len + (t0 - start) + i];
+                        for (int j = 0; j < VCH; j++) acc[g][j] += p * *(const dvec *)(vh + DW * j);
+                    }
                 }
+                for (int g = 0; g < GROUP; g++)
+                    for (int j = 0; j < VCH; j++) *(dvec *)(oh + g * HEAD_DIM + DW * j) = acc[g][j];
             }
         }
         t0 = t1;
@@ -181,6 +275,8 @@ int swiftkv_decode_attention(const float *q, int64_t q_stride, const float *k, c
     return failed;
 }
 """
+)
+
 
 def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") != "0"

@@ -11,8 +11,10 @@ Categories, per step (summed over the step's calls):
     attention  the backend's `prefill` (the first half's attention: prompt and decode rows) and
                `decode` (the second half's) calls
     kv_write   the backend's `write_kv` calls
-    stack      the decode stacks' calls (model/decode_stack.py: on CPU, a half's layers over decode rows
-               as one C call; their linears, attention, KV writes and row ops, not split further)
+    stack      the decode stacks' own time (model/decode_stack.py: on CPU, a half's layers over decode
+               rows as one C call): building the call, checking its inputs, the buffers; the call times
+               its phases inside (thread 0, between the barriers that end them) and its GEMMs count
+               in linear, its attention in attention, its RoPE and KV writes in kv_write
     rest       the step's remaining time: norms, RoPE, residuals, sampling, building the batch
 A step is a decode step when every scheduled request has one token; `decode` summarizes those steps
 only, `all` every step. `runner_share` is the share of the run's wall time spent in steps (the rest:
@@ -28,12 +30,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from swiftkv_fast.kernels.cpu_decode_stack import TIMED_PHASES
 
 from bench import engine
 
 CATEGORIES = ("linear", "attention", "kv_write", "stack", "rest")
 _UNSET = object()
 _ATTENTION_CALLS = {"prefill": "attention", "decode": "attention", "write_kv": "kv_write"}
+_STACK_PHASES = {"linear": "linear", "attention": "attention", "rope_kv": "kv_write"}
 
 
 @dataclass
@@ -134,9 +138,16 @@ class _TimedStack:
         self.inner, self.prof = stack, prof
 
     def run(self, *args) -> torch.Tensor:
+        self.inner.timings = torch.zeros(len(TIMED_PHASES), dtype=torch.float64)
         start = self.prof.clock()
-        out = self.inner.run(*args)
-        self.prof.add("stack", self.prof.clock() - start)
+        try:
+            out = self.inner.run(*args)
+        finally:
+            phases, self.inner.timings = self.inner.timings.tolist(), None
+        seconds = self.prof.clock() - start
+        for name, spent in zip(TIMED_PHASES, phases, strict=True):
+            self.prof.add(_STACK_PHASES[name], spent)
+        self.prof.add("stack", max(0.0, seconds - sum(phases)))
         return out
 
     def __getattr__(self, name: str) -> Any:

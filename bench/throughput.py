@@ -251,9 +251,10 @@ def _profile_table(name: str, rows: list[dict]) -> report.Table:
             t.add(f"{r['system']} ({kind} steps)", p["steps"], p["step_ms"], *shares)
     t.notes.append(
         "linear: every Linear (GEMMs); attention: the backend's prefill + decode calls (first and second "
-        "half); kv write: write_kv; stack: a half's layers over decode rows as one C call (all of the "
-        "above for those layers, model/decode_stack.py); rest: norms, RoPE, residuals, sampling, batch "
-        "building."
+        "half); kv write: write_kv; the decode stacks (a half's layers over decode rows as one C call, "
+        "model/decode_stack.py) time their GEMMs, attention and RoPE + KV writes inside and add them to "
+        "those columns; stack: the stacks' own rest (the call, its checks, buffers); rest: norms, RoPE, "
+        "residuals, sampling, batch building."
     )
     return t
 

@@ -56,7 +56,7 @@ def test_profiled_steps_split_into_linear_attention_and_rest():
     assert isinstance(model.w.layers[0].qkv, Linear) and isinstance(model.w.kv_swiftkv, Linear)
 
 
-def test_decode_stack_calls_are_timed_as_stack():
+def test_decode_stack_phases_count_in_linear_attention_and_kv_write():
     llm = tiny_llm(2, linear_kernel="panel")  # every linear the panel GEMM: decode rows run the stacks
     model = engine.swiftkv_model(llm)
     stacks = model.stacks
@@ -66,9 +66,11 @@ def test_decode_stack_calls_are_timed_as_stack():
     decode = prof.summary()["decode"]
     if stacks[0] is None or not stacks[0].runs_at(3):
         pytest.skip("no decode stack here (no C compiler)")
-    assert decode["steps"] == 3 and decode["stack_share"] > 0
-    assert decode["attention_share"] == 0  # every layer of a decode step ran inside the stacks
+    assert decode["steps"] == 3 and decode["stack_share"] >= 0
+    # every layer of a decode step ran inside the stacks, which timed their phases
+    assert decode["attention_share"] > 0 and decode["linear_share"] > 0 and decode["kv_write_share"] > 0
     assert model.stacks is stacks and stacks[0].calls == 3
+    assert stacks[0].timings is None and stacks[1].timings is None  # handed back
     assert stacks[1].calls == 4  # and the prompt step's second half
 
 

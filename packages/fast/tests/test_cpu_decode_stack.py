@@ -4,6 +4,8 @@ threads; it runs only where it applies; bad input raises before anything is writ
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from conftest import TINY_MODELS, random_prompts
@@ -145,3 +147,29 @@ def test_stack_survives_the_state_dicts_storage_moving(tiny):
     for e, a in zip(expected, actual):
         assert a.outputs[0].token_ids == e.outputs[0].token_ids
         assert torch.equal(a.outputs[0].logits, e.outputs[0].logits)
+
+
+def test_timed_phases_add_up_and_change_nothing(tiny):
+    cfg, llm, model = _engine(tiny, "swiftkv_g1", stacks=True)
+    runner = llm.llm_engine.runner
+    llm.generate(random_prompts(2, cfg.vocab_size, [20, 30], seed=4), GREEDY, use_tqdm=False)
+    stack = model.stacks[0]  # the first half: GEMMs, RoPE + KV writes and attention
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, cfg.hidden_size, generator=g)
+    seq_lens = torch.tensor([20, 30], dtype=torch.int32)
+    tables = torch.arange(1, 21, dtype=torch.int32).view(2, 10)
+    positions, slots = seq_lens.long() - 1, torch.tensor([4 * 5 + 3, 4 * 18 + 1])
+    args = (positions, [seq_lens], [tables], [slots], runner.kv_cache)
+    plain = stack.run(h.clone(), *args)
+    stack.timings = torch.zeros(3, dtype=torch.float64)
+    start = time.perf_counter()
+    timed = stack.run(h.clone(), *args)
+    wall = time.perf_counter() - start
+    phases = dict(zip(cpu_decode_stack.TIMED_PHASES, stack.timings.tolist(), strict=True))
+    assert torch.equal(timed, plain)
+    assert all(s > 0 for s in phases.values()), phases
+    assert sum(phases.values()) <= wall
+    stack.timings = torch.zeros(3)  # fp32: refused before the call
+    with pytest.raises(ValueError, match="float64"):
+        stack.run(h.clone(), *args)
+    stack.timings = None

@@ -82,7 +82,33 @@ struct stack_step {
                                     HEAD_DIM) with blocks block_stride apart and dense rows */
     int64_t slot_stride, kv_stride, block_stride, num_blocks, bs;
     float eps, scale;
+    double *timings;             /* NULL, or (3,): seconds added per phase (STACK_TIMED_*), wall time */
 };
+
+/* Phases timed when st->timings is given: by the region's thread 0 between the barriers that end each
+   phase (every worksharing loop here ends with one), so each is the phase's wall time. */
+#define STACK_TIMED_LINEAR 0     /* the four GEMMs with the ops packed in front of them */
+#define STACK_TIMED_ATTENTION 1  /* decode attention over the paged cache */
+#define STACK_TIMED_ROPE_KV 2    /* RoPE on q (and k), k and v written to the cache */
+#ifdef _OPENMP
+int omp_get_thread_num(void);
+#define STACK_THREAD0 (omp_get_thread_num() == 0)
+#else
+#define STACK_THREAD0 1
+#endif
+#include <time.h>
+static inline double stack_clock(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+/* Adds the time since the last lap to phase i (no-op when not timed). */
+#define STACK_LAP(i)                                    \
+    if (timed) {                                        \
+        const double now = stack_clock();               \
+        st->timings[i] += now - lap;                    \
+        lap = now;                                      \
+    }
 
 /* The first position a layer reads of a request with n positions */
 static inline int64_t first_read(int64_t n, int64_t window) {
@@ -134,6 +160,9 @@ int swiftkv_decode_stack(const struct stack_step *st, const struct stack_layer *
     const struct gemm_rows rows = gemm_rows(T);
     int failed = 0;
     #pragma omp parallel num_threads(num_threads)
+    {
+    const int timed = st->timings != NULL && STACK_THREAD0;
+    double lap = timed ? stack_clock() : 0.0;
     for (int64_t l = 0; l < n_layers; l++) {
         const struct stack_layer *ly = layers + l;
         const struct stack_group *g = groups + ly->group;
@@ -141,6 +170,7 @@ int swiftkv_decode_stack(const struct stack_step *st, const struct stack_layer *
         const int64_t nqkv = ly->qkv.N;
         gemm_pack_x(st->h, H, H, rows, PROLOGUE_RMS_NORM, l ? mlp : NULL, H, ly->input_norm, st->eps, xp);
         gemm_run(xp, ly->qkv.packed, ly->qkv.bias, qkv, nqkv, H, rows);
+        STACK_LAP(STACK_TIMED_LINEAR)
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
             float *row = qkv + t * nqkv;
@@ -154,15 +184,19 @@ int swiftkv_decode_stack(const struct stack_step *st, const struct stack_layer *
                 memcpy(kc + st->kv_stride, row + q_width + kv_row, sizeof(float) * kv_row);
             }
         }
+        STACK_LAP(STACK_TIMED_ROPE_KV)
         decode_attention_items(qkv, nqkv, k_cache, v_cache, st->block_stride, st->num_blocks, g->block_tables,
                                g->bt_stride, g->max_blocks, g->seq_lens, attn, T, st->kv_heads, st->bs,
                                ly->window, st->scale, num_threads, &failed);
+        STACK_LAP(STACK_TIMED_ATTENTION)
         gemm_pack_x(attn, q_width, q_width, rows, PROLOGUE_NONE, NULL, 0, NULL, 0.f, xp);
         gemm_run(xp, ly->o.packed, ly->o.bias, o, H, q_width, rows);
         gemm_pack_x(st->h, H, H, rows, PROLOGUE_RMS_NORM, o, H, ly->post_norm, st->eps, xp);
         gemm_run(xp, ly->gate_up.packed, ly->gate_up.bias, gu, ly->gate_up.N, H, rows);
         gemm_pack_x(gu, ly->gate_up.N, ly->down.K, rows, PROLOGUE_SILU_MUL, NULL, 0, NULL, 0.f, xp);
         gemm_run(xp, ly->down.packed, ly->down.bias, mlp, H, ly->down.K, rows);
+        STACK_LAP(STACK_TIMED_LINEAR)
+    }
     }
     for (int64_t i = 0; i < T * H; i++) st->h[i] += mlp[i];
     free(buf);
@@ -225,10 +259,14 @@ class StackStep(ctypes.Structure):
         ("bs", ctypes.c_int64),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
+        ("timings", ctypes.c_void_p),
     ]
 
 
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+
+# StackStep.timings' entries, in order (STACK_TIMED_*)
+TIMED_PHASES = ("linear", "attention", "rope_kv")
 
 ERRORS = {
     1: (MemoryError, "no memory for the decode stack's buffers"),

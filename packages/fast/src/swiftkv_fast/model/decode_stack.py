@@ -53,6 +53,9 @@ class DecodeStack:
         self._runs_at: dict[int, bool] = {}
         self._decided: list[tuple[int, bool]] | None = None  # (max rows, runs) ascending (`decide`)
         self.calls = 0  # runs so far (tests, stats)
+        # None, or (3,) float64 on CPU: each run adds the seconds of its GEMMs, attention and RoPE + KV
+        # writes (kernels/cpu_decode_stack.py STACK_TIMED_*; bench/step_profile.py sets it)
+        self.timings: torch.Tensor | None = None
         self._fn = self._structs = None  # the kernel and its layer table (`_build`)
         self._keep: list[torch.Tensor] = []  # the norms' and biases' own copies the table points at
         self.ready()  # compiled now (~1.5 s) where it can run, rather than at a first decode step
@@ -199,6 +202,7 @@ class DecodeStack:
             block_size,
             self.eps,
             self.scale,
+            self._timings_ptr(),
         )
         status = self._fn(
             ctypes.byref(step), self._structs, len(self.layers), groups, torch.get_num_threads()
@@ -208,6 +212,14 @@ class DecodeStack:
             raise error(f"decode stack: {message}")
         self.calls += 1
         return h
+
+    def _timings_ptr(self) -> int | None:
+        t = self.timings
+        if t is None:
+            return None
+        if not (t.is_cpu and t.dtype == torch.float64 and t.shape == (3,) and t.is_contiguous()):
+            raise ValueError(f"DecodeStack.timings must be a contiguous (3,) float64 CPU tensor, got {t!r}")
+        return t.data_ptr()
 
     def applies(self, h: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         """The tensors are what the C call reads: fp32 CPU h (T, hidden) contiguous, a cache with dense

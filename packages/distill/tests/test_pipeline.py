@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
+import os
 import re
 import shutil
 
@@ -19,6 +21,7 @@ from swiftkv_distill.data import load_jsonl, split_holdout
 from swiftkv_distill.pipeline import (
     DistillSettings,
     cached_student,
+    prune_students,
     resolve_teacher_dir,
     run_distill,
     teacher_fingerprint,
@@ -353,6 +356,7 @@ def test_cached_student_distills_once(teacher, tmp_path, monkeypatch):
 def test_cached_student_keys(tmp_path, monkeypatch):
     run = FakeRun(allowed=100)
     monkeypatch.setattr(pipeline, "run_distill", run)
+    monkeypatch.setattr(pipeline, "STUDENTS_KEPT", 100)  # every key's student stays to be looked up again
     teacher = plain_teacher(tmp_path / "teacher")
     root = tmp_path / "cache"
     base = DistillSettings(num_key_value_layers=2)
@@ -415,3 +419,40 @@ def test_cached_student_redoes_an_incomplete_entry_and_uses_the_user_cache(tmp_p
     assert cached_student(teacher, settings) == (path, False)
     assert run.calls[-1][3] is True  # overwrite: the old checkpoint is replaced
     assert cached_student(teacher, settings) == (path, True)
+
+
+def test_prune_students_keeps_the_most_recently_used(tmp_path, caplog):
+    root = tmp_path / "students"
+    names = [f"L15-G1-{i:016x}" for i in range(5)]
+    for age, name in enumerate(names):  # names[0] the newest, names[4] the oldest
+        d = root / name
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"x" * 1000)
+        os.utime(d, (1e9 - age * 3600, 1e9 - age * 3600))
+    (root / "notes").mkdir()  # not a student: never touched
+    (root / "L15-G1-tmp").mkdir()
+    with caplog.at_level(logging.INFO, logger=pipeline.__name__):
+        removed = prune_students(root, keep=3, protect=root / names[4])  # the one just written stays
+    assert sorted(p.name for p in removed) == sorted(names[2:4])
+    assert sorted(p.name for p in root.iterdir()) == sorted([*names[:2], names[4], "notes", "L15-G1-tmp"])
+    assert "removed 2 cached student(s)" in caplog.text
+    assert prune_students(root, keep=3) == []
+    with pytest.raises(ValueError, match="keep"):
+        prune_students(root, keep=0)
+
+
+def test_cached_student_prunes_after_a_new_fit_and_a_hit_counts_as_use(tmp_path, monkeypatch):
+    monkeypatch.setattr(pipeline, "run_distill", FakeRun(allowed=100))
+    monkeypatch.setattr(pipeline, "STUDENTS_KEPT", 2)
+    teacher = plain_teacher(tmp_path / "teacher")
+    root = tmp_path / "cache"
+    paths = []
+    for seed in range(2):
+        path, _ = cached_student(teacher, DistillSettings(num_key_value_layers=2, seed=seed), cache_root=root)
+        os.utime(path, (1e9 + seed, 1e9 + seed))  # seed 0 the older
+        paths.append(path)
+    assert cached_student(teacher, DistillSettings(num_key_value_layers=2, seed=0), cache_root=root)[1]
+    third, cached = cached_student(teacher, DistillSettings(num_key_value_layers=2, seed=2), cache_root=root)
+    assert not cached
+    # seed 0 was used last (the hit), so seed 1 is the least recently used one
+    assert paths[0].is_dir() and third.is_dir() and not paths[1].exists()

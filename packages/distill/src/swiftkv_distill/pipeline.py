@@ -17,6 +17,8 @@ import json
 import logging
 import math
 import os
+import re
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -372,7 +374,8 @@ def cached_student(
 ) -> tuple[Path, bool]:
     """The student for (teacher, settings), distilled once and kept under the user cache directory
     (`swiftkv_reference.default_model.cache_dir()/students/<key>`), keyed by a hash of the teacher's
-    files, of the built-in prompts and of the settings. -> (directory, True when it was already there)."""
+    files, of the built-in prompts and of the settings. -> (directory, True when it was already there).
+    After a new one is fitted, the least recently used beyond STUDENTS_KEPT are removed (prune_students)."""
     from swiftkv_reference.default_model import cache_dir
 
     teacher_dir = resolve_teacher_dir(teacher_dir)
@@ -388,7 +391,51 @@ def cached_student(
     root = Path(cache_root) if cache_root is not None else cache_dir() / "students"
     path = root / f"L{settings.num_key_value_layers}-G{settings.key_value_group_size}-{key}"
     if (path / "config.json").is_file() and (path / "eval.json").is_file():
+        os.utime(path)  # used now: the order prune_students keeps by
         return path, True
     root.mkdir(parents=True, exist_ok=True)
     run_distill(teacher_dir, path, settings, overwrite=True)
+    prune_students(root, keep=STUDENTS_KEPT, protect=path)
     return path, False
+
+
+# cached students kept under the user cache: after a new one is fitted, the least recently used beyond
+# this many are removed (each ~0.5 GiB for the embedded model; a new package version, teacher, prompt
+# set or setting makes a new key, and an old key is then never looked up again)
+STUDENTS_KEPT = 3
+_STUDENT_NAME = re.compile(r"L\d+-G\d+-[0-9a-f]{16}")
+
+
+def prune_students(
+    root: str | os.PathLike, keep: int, protect: str | os.PathLike | None = None
+) -> list[Path]:
+    """Removes all but the `keep` most recently used students under `root` (by directory mtime, which
+    cached_student refreshes on every hit); `protect` stays whatever its age. Only directories named
+    as cached_student names them are touched. -> the removed directories, logged with the space freed.
+
+    Example: students A (used Monday), B (Tuesday), C (Wednesday) and a new D with keep=3 -> A goes."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    protect = Path(protect).resolve() if protect is not None else None
+    students = [p for p in Path(root).iterdir() if p.is_dir() and _STUDENT_NAME.fullmatch(p.name)]
+    students.sort(key=lambda p: (p.resolve() == protect, p.stat().st_mtime), reverse=True)
+    removed, freed = [], 0
+    for path in students[keep:]:  # `protect` sorts first
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        try:
+            shutil.rmtree(path)
+        except OSError as e:  # e.g. another process removing it too: the cache stays usable
+            logger.warning("could not remove the cached student %s: %s", path, e)
+            continue
+        removed.append(path)
+        freed += size
+    if removed:
+        logger.info(
+            "removed %d cached student(s) not used recently (%s; %.0f MiB), keeping the %d most recent in %s",
+            len(removed),
+            ", ".join(p.name for p in removed),
+            freed / 2**20,
+            keep,
+            root,
+        )
+    return removed

@@ -53,8 +53,8 @@ class DecodeStack:
         self._runs_at: dict[int, bool] = {}
         self._decided: list[tuple[int, bool]] | None = None  # (max rows, runs) ascending (`decide`)
         self.calls = 0  # runs so far (tests, stats)
-        # None, or (3,) float64 on CPU: each run adds the seconds of its GEMMs, attention and RoPE + KV
-        # writes (kernels/cpu_decode_stack.py STACK_TIMED_*; bench/step_profile.py sets it)
+        # None, or (len(TIMED_PHASES),) float64 on CPU: each run adds the seconds of its GEMMs, attention
+        # and RoPE + KV writes (kernels/cpu_decode_stack.py TIMED_PHASES; bench/step_profile.py sets it)
         self.timings: torch.Tensor | None = None
         self._fn = self._structs = None  # the kernel and its layer table (`_build`)
         self._keep: list[torch.Tensor] = []  # the norms' and biases' own copies the table points at
@@ -217,8 +217,9 @@ class DecodeStack:
         t = self.timings
         if t is None:
             return None
-        if not (t.is_cpu and t.dtype == torch.float64 and t.shape == (3,) and t.is_contiguous()):
-            raise ValueError(f"DecodeStack.timings must be a contiguous (3,) float64 CPU tensor, got {t!r}")
+        shape = (len(kernel_module.TIMED_PHASES),)
+        if not (t.is_cpu and t.dtype == torch.float64 and t.shape == shape and t.is_contiguous()):
+            raise ValueError(f"DecodeStack.timings must be a contiguous {shape} float64 CPU tensor: {t!r}")
         return t.data_ptr()
 
     def applies(self, h: torch.Tensor, kv_cache: torch.Tensor) -> bool:

@@ -11,6 +11,7 @@ import math
 import os
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import swiftkv_distill.data as data_module
@@ -439,6 +440,28 @@ def test_prune_students_keeps_the_most_recently_used(tmp_path, caplog):
     assert prune_students(root, keep=3) == []
     with pytest.raises(ValueError, match="keep"):
         prune_students(root, keep=0)
+
+
+def test_an_interrupted_prune_leaves_no_student_that_looks_complete(tmp_path, monkeypatch):
+    root = tmp_path / "students"
+    for age, name in enumerate(["L2-G1-" + "a" * 16, "L2-G1-" + "b" * 16]):
+        (root / name).mkdir(parents=True)
+        for f in ("config.json", "eval.json", "model.safetensors"):
+            (root / name / f).write_text("{}")
+        os.utime(root / name, (1e9 - age, 1e9 - age))
+
+    def interrupted(path, *args, **kwargs):
+        (Path(path) / "model.safetensors").unlink()  # half way
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline.shutil, "rmtree", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prune_students(root, keep=1)
+    # the older student is out of the names cached_student looks up, though its files are half there
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == ["L2-G1-" + "a" * 16]
+    monkeypatch.undo()
+    assert prune_students(root, keep=1) == []  # and the next prune clears what was left
+    assert [p.name for p in root.iterdir()] == ["L2-G1-" + "a" * 16]
 
 
 def test_cached_student_prunes_after_a_new_fit_and_a_hit_counts_as_use(tmp_path, monkeypatch):

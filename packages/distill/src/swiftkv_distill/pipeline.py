@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -404,6 +405,7 @@ def cached_student(
 # set or setting makes a new key, and an old key is then never looked up again)
 STUDENTS_KEPT = 3
 _STUDENT_NAME = re.compile(r"L\d+-G\d+-[0-9a-f]{16}")
+_REMOVING = re.compile(r"\.L\d+-G\d+-[0-9a-f]{16}\.removing-[0-9a-f]{8}")  # a removal cut short
 
 
 def prune_students(
@@ -417,18 +419,29 @@ def prune_students(
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     protect = Path(protect).resolve() if protect is not None else None
-    students = [p for p in Path(root).iterdir() if p.is_dir() and _STUDENT_NAME.fullmatch(p.name)]
-    students.sort(key=lambda p: (p.resolve() == protect, p.stat().st_mtime), reverse=True)
+    students = []  # (protected, last used, path)
+    for p in Path(root).iterdir():
+        if p.is_dir() and _REMOVING.fullmatch(p.name):
+            shutil.rmtree(p, ignore_errors=True)
+        elif p.is_dir() and _STUDENT_NAME.fullmatch(p.name):
+            try:
+                students.append((p.resolve() == protect, p.stat().st_mtime, p))
+            except OSError:  # removed meanwhile (another process pruning)
+                continue
+    students.sort(reverse=True)  # `protect` first, then the most recently used
     removed, freed = [], 0
-    for path in students[keep:]:  # `protect` sorts first
-        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    for _, _, path in students[keep:]:
+        # renamed out of the student names first: an interrupted removal never leaves a directory that
+        # cached_student would take for a complete student
+        trash = path.with_name(f".{path.name}.removing-{uuid.uuid4().hex[:8]}")
         try:
-            shutil.rmtree(path)
+            os.rename(path, trash)
+            freed += sum(f.stat().st_size for f in trash.rglob("*") if f.is_file())
+            shutil.rmtree(trash)
         except OSError as e:  # e.g. another process removing it too: the cache stays usable
             logger.warning("could not remove the cached student %s: %s", path, e)
             continue
         removed.append(path)
-        freed += size
     if removed:
         logger.info(
             "removed %d cached student(s) not used recently (%s; %.0f MiB), keeping the %d most recent in %s",

@@ -131,7 +131,7 @@ static inline void prefetch_next(int64_t *tp, const float *k, const float *v, co
     if (*tp < n) {
         const int64_t e = run_end(*tp, bs, n);
         prefetch_run(run_at(k, bt, block_stride, bs, row, *tp), e - *tp, row, width);
-        *tp = e < n ? e : n;
+        *tp = e;  /* run_end never passes n */
     } else if (*tp < n + len) {
         const int64_t t = *tp - len, e = run_end(t, bs, n);
         prefetch_run(run_at(v, bt, block_stride, bs, row, t), e - t, row, width);

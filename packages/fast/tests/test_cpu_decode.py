@@ -53,6 +53,30 @@ def test_kernel_matches_gather_and_sdpa(heads, kv_heads, dim, block_size, window
 
 
 @needs_compiler
+@pytest.mark.parametrize(
+    "heads, kv_heads, dim, block_size", [(9, 3, 64, 16), (4, 4, 8, 4), (16, 2, 128, 16), (2, 1, 32, 3)]
+)
+@pytest.mark.parametrize("window", [None, 7])
+def test_bf16_cache_reads_as_its_values_widened(heads, kv_heads, dim, block_size, window):
+    """A bf16 cache (kv_cache_dtype="bfloat16") is read as fp32 exactly: the same result as the fp32
+    kernel over the same values widened, and as the gather path, which casts the cache to the queries'."""
+    seq_lens = [1, block_size + 1, 3 * block_size - 1, 45]
+    q, k, v, lens, tables = paged_case(
+        5, num_reqs=4, heads=heads, kv_heads=kv_heads, dim=dim, block_size=block_size, seq_lens=seq_lens
+    )
+    k16, v16 = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    got = cpu_decode.decode_attention(q, k16, v16, lens, tables, window, dim**-0.5)
+    assert got is not None and got.dtype == torch.float32
+    widened = cpu_decode.decode_attention(q, k16.float(), v16.float(), lens, tables, window, dim**-0.5)
+    # the same arithmetic on the same values (a widening mistake would be off by bf16's ~4e-3)
+    torch.testing.assert_close(got, widened, rtol=1e-6, atol=1e-6)
+    want = gathered(q, k16, v16, lens, tables, window, dim**-0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # and it is not the fp32 cache's result: the values were rounded
+    assert not torch.allclose(got, gathered(q, k, v, lens, tables, window, dim**-0.5), rtol=0, atol=1e-5)
+
+
+@needs_compiler
 def test_padding_rows_are_zero_and_leave_other_rows_alone():
     q, k, v, lens, tables = paged_case(
         1, num_reqs=3, heads=6, kv_heads=2, dim=16, block_size=4, seq_lens=[5, 1, 9]

@@ -27,6 +27,7 @@ ENGINE = dict(
     linear_kernel="panel",  # every linear through the panel GEMM: the stack's precondition
 )
 GREEDY = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+ALL = ["full", "swiftkv_g1", "swiftkv_g2", "mistral_swiftkv_g2", "hybrid_swiftkv"]
 
 
 def _engine(tiny, name, stacks: bool, **overrides):
@@ -38,14 +39,21 @@ def _engine(tiny, name, stacks: bool, **overrides):
     return cfg, llm, model
 
 
-@pytest.mark.parametrize("name", ["full", "swiftkv_g1", "swiftkv_g2", "mistral_swiftkv_g2", "hybrid_swiftkv"])
-@pytest.mark.parametrize("threads", [1, 3])
-def test_stack_equals_per_op_layers(tiny, name, threads):
+@pytest.mark.parametrize(
+    "name, threads, kv_cache_dtype",
+    [
+        *((name, threads, "auto") for name in ALL for threads in (1, 3)),
+        ("swiftkv_g1", 1, "bfloat16"),  # the cache in bf16: written rounded, read widened, the same both ways
+        ("hybrid_swiftkv", 3, "bfloat16"),
+    ],
+)
+def test_stack_equals_per_op_layers(tiny, name, threads, kv_cache_dtype):
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        cfg, per_op, _ = _engine(tiny, name, stacks=False)
-        _, fused, model = _engine(tiny, name, stacks=True)
+        cfg, per_op, _ = _engine(tiny, name, stacks=False, kv_cache_dtype=kv_cache_dtype)
+        _, fused, model = _engine(tiny, name, stacks=True, kv_cache_dtype=kv_cache_dtype)
+        assert model.stacks[0].kv_dtype == per_op.llm_engine.runner.kv_cache.dtype
         assert all(s is not None for s in model.stacks)
         # lengths past the sliding windows (16-24) and blocks of 4: windowed reads skip whole blocks
         prompts = random_prompts(5, cfg.vocab_size, [3, 40, 9, 70, 25], seed=2)
@@ -63,6 +71,7 @@ def test_stack_equals_per_op_layers(tiny, name, threads):
     assert second.calls > 0 if L < cfg.num_hidden_layers else second.calls == 0
     kv_per_op = per_op.llm_engine.runner.kv_cache
     kv_fused = fused.llm_engine.runner.kv_cache
+    assert kv_fused.dtype == (torch.bfloat16 if kv_cache_dtype == "bfloat16" else torch.float32)
     assert torch.equal(kv_per_op, kv_fused)
 
 

@@ -151,6 +151,32 @@ def test_write_kv_matches_index_copy(tokens):
 
 
 @needs_compiler
+def test_write_kv_into_a_bf16_cache_rounds_as_torch_does():
+    """Round to nearest even, ties both ways, NaN, infinities, overflow to inf, subnormals: every bit as
+    the index_copy_ of the values cast by torch."""
+    g = torch.Generator().manual_seed(3)
+    tokens, n_layers, kv_heads, dim = 40, 2, 2, 16
+    k = torch.randn(tokens, n_layers, kv_heads, dim, generator=g) * 10.0 ** torch.randint(
+        -6, 6, (tokens, 1, 1, 1)
+    )
+    v = torch.randn(tokens, n_layers, kv_heads, dim, generator=g)
+    ties = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-126 * (1 + 2**-8), 3.3961775e38])
+    special = torch.tensor(
+        [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, -1e-45, 3.4028235e38]
+    )
+    k.view(-1)[: ties.numel()] = ties
+    v.view(-1)[: special.numel()] = special
+    slots = torch.randperm(30 * 4, generator=g)[:tokens]
+    slots[::7] = -1
+    cache = torch.full((n_layers, 2, 30, 4, kv_heads, dim), 7.0, dtype=torch.bfloat16)
+    want = cache.clone()
+    _index_copy_write(want, k.to(torch.bfloat16), v.to(torch.bfloat16), slots)
+    assert cpu_ops.write_kv(cache, k, v, slots)
+    assert torch.equal(cache.view(torch.int16), want.view(torch.int16))
+    assert not cpu_ops.write_kv(cache.to(torch.float16), k, v, slots)  # a dtype the kernel does not write
+
+
+@needs_compiler
 def test_write_kv_slot_outside_the_cache_raises_and_writes_nothing():
     kv_cache = torch.zeros(1, 2, 4, 2, 1, 8)
     k = v = torch.ones(2, 1, 1, 8)

@@ -61,6 +61,37 @@ def test_kernel_matches_naive_attention(heads, kv_heads, dim, block_size, window
 
 
 @needs_compiler
+@pytest.mark.parametrize("heads, kv_heads, dim, block_size", [(9, 3, 64, 16), (6, 2, 16, 3)])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("avx512", [True, False], ids=["avx512", "8-lane"])
+def test_bf16_cache_reads_as_its_values_widened(heads, kv_heads, dim, block_size, window, avx512):
+    """A bf16 cache (kv_cache_dtype="bfloat16"): the fp32 kernel's result over the same values widened,
+    and the naive attention's over them."""
+    q_lens, kv_lens = [130, 7, 33], [300, 7, 33]
+    q, k, v, cu, lens, tables = prompt_case(
+        3, heads=heads, kv_heads=kv_heads, dim=dim, block_size=block_size, q_lens=q_lens, kv_lens=kv_lens
+    )
+    k16, v16 = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    got = cpu_prefill.prefill_attention(q, k16, v16, cu, lens, tables, window, 0.3, avx512=avx512)
+    assert got is not None and got.dtype == torch.float32
+    widened = cpu_prefill.prefill_attention(
+        q, k16.float(), v16.float(), cu, lens, tables, window, 0.3, avx512=avx512
+    )
+    torch.testing.assert_close(got, widened, rtol=1e-6, atol=1e-6)
+    want = naive_prefill(q, k16.float(), v16.float(), q_lens, kv_lens, tables, window, 0.3)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    meta = AttentionMetadata(
+        cu_seqlens_q=cu,
+        seq_lens=lens,
+        block_tables=tables,
+        max_query_len=max(q_lens),
+        max_seq_len=max(kv_lens),
+    )
+    sdpa = TorchBackend(compiled_prefill=False).prefill(q, k16, v16, meta, window, 0.3)  # casts the cache
+    torch.testing.assert_close(got, sdpa, rtol=2e-5, atol=2e-5)
+
+
+@needs_compiler
 def test_through_the_backend_with_decode_rows_in_the_batch():
     """A mixed batch: the decode row goes to the decode kernel, the prompt rows to this one."""
     q_lens, kv_lens = [3, 1, 50], [10, 20, 50]

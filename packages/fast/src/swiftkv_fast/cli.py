@@ -67,7 +67,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     """The `LLM` engine settings, shared by `generate` and `serve` (see `_engine_kwargs`); their defaults
     are EngineConfig's."""
     from swiftkv_fast.attention import BACKENDS
-    from swiftkv_fast.config import LINEAR_KERNELS, MATMUL_PRECISIONS, EngineConfig
+    from swiftkv_fast.config import KV_CACHE_DTYPES, LINEAR_KERNELS, MATMUL_PRECISIONS, EngineConfig
 
     default = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
     e = p.add_argument_group("engine")
@@ -112,6 +112,13 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "--kv-cache-memory", type=int, default=default["kv_cache_memory"], help="KV cache size in bytes"
     )
     e.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(KV_CACHE_DTYPES),
+        help="what the KV cache holds: auto, the model's dtype; bfloat16 on a CPU fp32 model halves its "
+        "memory (twice the tokens) and what decode attention reads, for K/V rounded to 8 significant bits",
+    )
+    e.add_argument(
         "--no-prefix-caching", action="store_true", help="do not reuse the KV of prompts seen before"
     )
     e.add_argument(
@@ -153,6 +160,7 @@ def _engine_kwargs(args) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=not args.no_prefix_caching,
         linear_kernel=args.linear_kernel,
         matmul_precision=args.matmul_precision,

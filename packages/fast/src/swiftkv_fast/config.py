@@ -23,6 +23,9 @@ DTYPES = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
+# what the KV cache may hold besides the model's dtype ("auto"): bf16 halves its bytes, and so the memory
+# decode attention reads (the torch backend's C kernels read it as fp32)
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32}
 # CPU linear kernels (model/linear_kernels.py): auto = chosen by measurement, or one forced everywhere
 LINEAR_KERNELS = ("auto", "linear", "matmul", "mkldnn", "panel", "bf16x3")
 
@@ -33,6 +36,7 @@ class EngineConfig:
     num_key_value_layers: int | None = None  # SwiftKV L; on a plain checkpoint: convert on the fly
     key_value_group_size: int | None = None  # AcrossKV G
     dtype: str | torch.dtype = "auto"  # auto: fp32 on CPU, bf16 on CUDA
+    kv_cache_dtype: str | torch.dtype = "auto"  # KV_CACHE_DTYPES; auto: the model's dtype (resolved in place)
     device: str = "auto"  # auto: cuda when available
     block_size: int = 16
     num_kv_blocks: int | None = None  # KV cache size in blocks (wins over kv_cache_memory)
@@ -83,6 +87,7 @@ class EngineConfig:
         self._check_device()
         self._check_dtype()
         self._check_backend()
+        self._check_kv_cache_dtype()
         self._check_linear_kernel()
         self._check_tensor_parallel()
         if self.kv_cache_memory is not None:
@@ -136,6 +141,29 @@ class EngineConfig:
                 "attention_backend='triton' on CPU needs TRITON_INTERPRET=1 set before importing "
                 "swiftkv_fast (the interpreter, for tests); use 'torch'"
             )
+
+    def _check_kv_cache_dtype(self) -> None:
+        """Resolves kv_cache_dtype to a torch.dtype. Another dtype than the model's needs the torch attention
+        backend on CPU: flash-attn and the Triton kernels read the cache as the queries' dtype."""
+        value = self.kv_cache_dtype
+        if isinstance(value, torch.dtype) and value in KV_CACHE_DTYPES.values():
+            resolved = value
+        elif isinstance(value, str) and value in KV_CACHE_DTYPES:
+            resolved = KV_CACHE_DTYPES[value] or self.dtype
+        else:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)} or torch.bfloat16 / float32, "
+                f"got {value!r}"
+            )
+        if resolved != self.dtype:
+            if torch.device(self.device).type != "cpu" or self.attention_backend not in ("auto", "torch"):
+                model_dtype = str(self.dtype).removeprefix("torch.")
+                raise ValueError(
+                    f"kv_cache_dtype={value!r} differs from dtype={model_dtype!r}: "
+                    f"that needs device='cpu' and the torch attention backend (got device={self.device!r}, "
+                    f"attention_backend={self.attention_backend!r})"
+                )
+        self.kv_cache_dtype = resolved
 
     def _check_linear_kernel(self) -> None:
         if self.linear_kernel not in LINEAR_KERNELS:

@@ -6,7 +6,8 @@ requests of a mixed batch go through the decode path so one long prompt does not
 
 Decode on CPU in fp32 runs the compiled C kernel of kernels/cpu_decode.py: it reads each K/V row once
 straight from the cache blocks (no gathered copy, no SDPA for 3-query problems), 4-7x faster per
-layer at 16 requests x 300 tokens. Where it does not apply (CUDA, fp16/bf16, an odd head_dim, no C
+layer at 16 requests x 300 tokens; a bf16 cache (kv_cache_dtype) it reads as fp32, exactly. Where it
+does not apply (CUDA, fp16/bf16 queries, an odd head_dim, no C
 compiler, `TorchBackend(compiled_decode=False)`), decode gathers exactly the context slots (one
 `index_select` per K and V, the indices and the mask built once per step: `DecodePlan`, kept in
 `meta.backend_cache` and shared by every layer of the group), and serves GQA by viewing the query
@@ -14,8 +15,9 @@ heads of one KV head as that head's queries: (R, kv_heads, group, D) against (R,
 so K/V are never repeated. Requests are attended in chunks whose gathered K/V fit in L2
 (DECODE_CHUNK_BYTES), so SDPA reads them from cache rather than memory.
 
-KV writes on CPU in fp32 copy each token's rows to its slot in one C call (kernels/cpu_ops.py
-write_kv); elsewhere two index_copy_ calls.
+KV writes on CPU in fp32 copy (or round to a bf16 cache) each token's rows to its slot in one C call
+(kernels/cpu_ops.py write_kv); elsewhere two index_copy_ calls. A cache of another dtype than the
+queries' is cast to theirs where SDPA reads it.
 
 Prompt rows on CPU in fp32 run the compiled C kernel of kernels/cpu_prefill.py: every request's queries
 in tiles that read only the keys they see, straight from the blocks (about 3x faster than one SDPA call
@@ -105,8 +107,9 @@ def _decode_attention(q, k_cache, v_cache, plan: DecodePlan, scale):
     for a in range(0, num_reqs, chunk):
         b = min(a + chunk, num_reqs)
         slots = plan.slots[a * plan.max_kv : b * plan.max_kv]
-        k = k_flat.index_select(0, slots).view(b - a, plan.max_kv, kv_heads, head_dim)
-        v = v_flat.index_select(0, slots).view(b - a, plan.max_kv, kv_heads, head_dim)
+        # a cache of another dtype than the queries' (kv_cache_dtype) is read as theirs
+        k = k_flat.index_select(0, slots).view(b - a, plan.max_kv, kv_heads, head_dim).to(q.dtype)
+        v = v_flat.index_select(0, slots).view(b - a, plan.max_kv, kv_heads, head_dim).to(q.dtype)
         out[a:b] = F.scaled_dot_product_attention(
             qg[a:b], k.transpose(1, 2), v.transpose(1, 2), attn_mask=plan.mask[a:b], scale=scale
         )  # (b - a, KVH, group, D)
@@ -274,8 +277,8 @@ class TorchBackend(AttentionBackend):
             j_of_tok = torch.arange(q.shape[0], device=q.device) - cu[req_of_tok]  # (T,)
             qpad = q.new_zeros(num_reqs, max_q, *q.shape[1:])
             qpad[req_of_tok, j_of_tok] = q
-        k = _gather_kv(k_cache, meta.block_tables, max_kv)  # (R, KVH, max_kv, D)
-        v = _gather_kv(v_cache, meta.block_tables, max_kv)
+        k = _gather_kv(k_cache, meta.block_tables, max_kv).to(q.dtype)  # (R, KVH, max_kv, D)
+        v = _gather_kv(v_cache, meta.block_tables, max_kv).to(q.dtype)
         if fresh:
             # fresh prompts: top-left causal alignment is the right one, no mask tensor needed
             out = _sdpa(qpad.transpose(1, 2), k, v, None, scale, is_causal=True)
@@ -299,8 +302,8 @@ class TorchBackend(AttentionBackend):
         start = 0
         for r, (n, s) in enumerate(zip(lens, kv_lens)):
             first = _first_key(n, s, window)
-            k = _gather_range(k_cache, meta.block_tables[r], first, s)  # (1, KVH, s - first, D)
-            v = _gather_range(v_cache, meta.block_tables[r], first, s)
+            k = _gather_range(k_cache, meta.block_tables[r], first, s).to(q.dtype)  # (1, KVH, s - first, D)
+            v = _gather_range(v_cache, meta.block_tables[r], first, s).to(q.dtype)
             qr = q[start : start + n].transpose(0, 1)[None]  # (1, H, n, D)
             if _causal(n, s, window):
                 o = _sdpa(qr, k, v, None, scale, is_causal=True)

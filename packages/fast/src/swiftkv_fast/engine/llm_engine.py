@@ -41,7 +41,7 @@ class LLMEngine:
         their shards there (None: rank 0 sends them their shards)."""
         # refuses a tensor_parallel_size the model's dimensions cannot be split by, naming them
         shard = TensorParallelShard.of(config, 0, econf.tensor_parallel_size)
-        layout = KVCacheLayout.from_config(config, econf.block_size, econf.dtype, shard.num_kv_heads)
+        layout = KVCacheLayout.from_config(config, econf.block_size, econf.kv_cache_dtype, shard.num_kv_heads)
         if econf.num_kv_blocks is not None:  # the model fixes a block's size: checked before allocating
             what = f"num_kv_blocks={econf.num_kv_blocks} ({layout.bytes_per_block} bytes each)"
             econf.check_kv_cache_fits(econf.num_kv_blocks * layout.bytes_per_block, what)

@@ -113,6 +113,62 @@ static inline void swiftkv_rope_row(float *x, int64_t heads, int64_t D, const fl
 #endif
 """
 
+# The KV cache's element type for the kernels that read or write it: kv_t is float, or with -DKV_BF16=1
+# bfloat16 held as uint16_t (engine kv_cache_dtype="bfloat16"). Rows go to the cache rounded to nearest
+# even, as torch's .to(torch.bfloat16) rounds (a NaN becomes 0x7fc0), and come back exactly (bf16 is
+# fp32's upper half). Guarded, like EXPF.
+KV_TYPES = r"""
+#ifndef SWIFTKV_KV_TYPES
+#define SWIFTKV_KV_TYPES
+#include <stdint.h>
+#include <string.h>
+#ifndef KV_BF16
+#define KV_BF16 0
+#endif
+static inline float swiftkv_bf16_to_float(uint16_t x) {
+    const uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static inline uint16_t swiftkv_float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+#if KV_BF16
+typedef uint16_t kv_t;
+#define KV_TO_FLOAT(x) swiftkv_bf16_to_float(x)
+#else
+typedef float kv_t;
+#define KV_TO_FLOAT(x) (x)
+#endif
+/* n values of a float row into the cache, and back */
+static inline void swiftkv_kv_store(kv_t *dst, const float *src, int64_t n) {
+#if KV_BF16
+    for (int64_t i = 0; i < n; i++) dst[i] = swiftkv_float_to_bf16(src[i]);
+#else
+    memcpy(dst, src, sizeof(float) * n);
+#endif
+}
+static inline void swiftkv_kv_load(float *dst, const kv_t *src, int64_t n) {
+#if KV_BF16
+    for (int64_t i = 0; i < n; i++) dst[i] = swiftkv_bf16_to_float(src[i]);
+#else
+    memcpy(dst, src, sizeof(float) * n);
+#endif
+}
+#endif
+"""
+
+
+def kv_bf16(dtype: torch.dtype) -> int | None:
+    """The KV_BF16 define for a cache of `dtype` (KV_TYPES): 0 for fp32, 1 for bf16, None for a dtype the
+    C kernels do not read."""
+    return {torch.float32: 0, torch.bfloat16: 1}.get(dtype)
+
+
 _lock = threading.Lock()
 _built: dict[tuple, dict[str, ctypes._CFuncPtr] | None] = {}  # None: it did not build here
 _NOT_BUILT = object()

@@ -62,6 +62,7 @@ MAX_GROUP = 16  # query heads per KV head the kernel keeps in registers / on the
 
 SOURCE = (
     cpu_compile.EXPF
+    + cpu_compile.KV_TYPES
     + r"""
 #include <float.h>
 #include <stdint.h>
@@ -85,6 +86,28 @@ typedef int32_t dveci __attribute__((vector_size(4 * DW)));
 #define VCAP (16 / GROUP > 0 ? 16 / GROUP : 1)
 #define VCH (NV % 8 == 0 && VCAP >= 8 ? 8 : NV % 4 == 0 && VCAP >= 4 ? 4 : NV % 2 == 0 && VCAP >= 2 ? 2 : 1)
 
+/* DW cached values at p as floats: bf16 widens to fp32 exactly (zero-extend, shift into the upper half) */
+#if KV_BF16 && DW == 16
+#include <immintrin.h>
+static inline dvec kv_vload(const kv_t *p) {  /* one vpmovzxwd from memory, one shift */
+    return (dvec)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+}
+#elif KV_BF16 && defined(__AVX2__)
+#include <immintrin.h>
+static inline dvec kv_vload(const kv_t *p) {
+    return (dvec)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+}
+#elif KV_BF16
+typedef uint16_t kvvec __attribute__((vector_size(2 * DW), aligned(2)));
+typedef uint32_t dvecu __attribute__((vector_size(4 * DW)));
+static inline dvec kv_vload(const kv_t *p) {
+    return (dvec)(__builtin_convertvector(*(const kvvec *)p, dvecu) << 16);
+}
+#else
+static inline dvec kv_vload(const kv_t *p) { return *(const dvec *)p; }
+#endif
+#define KV_LINE (64 / (int64_t)sizeof(kv_t))  /* cached values per 64-byte line */
+
 /* x[0..DW) -> one vector whose lane i is the sum of x[i]'s lanes (x is overwritten): pairs of
    vectors fold into one, each half the other's pairwise sums, DW - 1 shuffle pairs in all where DW
    separate horizontal sums take log2(DW) each. */
@@ -100,7 +123,7 @@ static inline dvec lane_sums(dvec *x) {
 }
 
 /* Where the run of positions [t, t + DW) (cut at its block's end and at n) starts in k (or v). */
-static inline const float *run_at(const float *base, const int32_t *bt, int64_t block_stride, int64_t bs,
+static inline const kv_t *run_at(const kv_t *base, const int32_t *bt, int64_t block_stride, int64_t bs,
                                   int64_t row, int64_t t) {
     return base + (int64_t)bt[t / bs] * block_stride + (t % bs) * row;
 }
@@ -111,12 +134,12 @@ static inline int64_t run_end(int64_t t, int64_t bs, int64_t n) {
 }
 
 /* Prefetch into L2 the rows [t, run_end(t)) of the run at p: width values each, row apart. */
-static inline void prefetch_run(const float *p, int64_t rows, int64_t row, int64_t width) {
+static inline void prefetch_run(const kv_t *p, int64_t rows, int64_t row, int64_t width) {
     if (width == row) width *= rows, rows = 1;  /* every head's values: one contiguous stretch */
     for (int64_t i = 0; i < rows; i++) {
-        const float *r = p + i * row;
+        const kv_t *r = p + i * row;
         #pragma GCC unroll 4
-        for (int64_t j = 0; j < width; j += 16) __builtin_prefetch(r + j, 0, 1);
+        for (int64_t j = 0; j < width; j += KV_LINE) __builtin_prefetch(r + j, 0, 1);
     }
 }
 
@@ -124,7 +147,7 @@ static inline void prefetch_run(const float *p, int64_t rows, int64_t row, int64
 
 /* The prefetch cursor walks K's runs, then V's: *tp in [start, n) is K's run at *tp, in [n, n + len)
    V's at *tp - len. One call prefetches the run at the cursor and moves it on. */
-static inline void prefetch_next(int64_t *tp, const float *k, const float *v, const int32_t *bt,
+static inline void prefetch_next(int64_t *tp, const kv_t *k, const kv_t *v, const int32_t *bt,
                                  int64_t block_stride, int64_t bs, int64_t row, int64_t width, int64_t start,
                                  int64_t n) {
     const int64_t len = n - start;
@@ -145,7 +168,7 @@ static inline void prefetch_next(int64_t *tp, const float *k, const float *v, co
    (a position's values of these heads are adjacent, so a run is one contiguous stretch of memory),
    the next run prefetched into L2 while this one is used: blocks sit anywhere in the cache. A run's
    scores of one query come out as one vector (lane_sums), its outputs add up in registers. */
-static void attend(const float *q, const float *k, const float *v, int64_t block_stride, const int32_t *bt,
+static void attend(const float *q, const kv_t *k, const kv_t *v, int64_t block_stride, const int32_t *bt,
                    int64_t bs, int64_t row, int64_t h0, int64_t h1, int64_t start, int64_t n, float scale,
                    float *s, float *o) {
     const int64_t len = n - start, heads = (h1 - h0) * GROUP, width = (h1 - h0) * HEAD_DIM;
@@ -153,7 +176,7 @@ static void attend(const float *q, const float *k, const float *v, int64_t block
     for (int d = 0; d < PF_RUNS; d++) prefetch_next(&tp, k, v, bt, block_stride, bs, row, width, start, n);
     for (int64_t t0 = start; t0 < n;) {
         const int64_t t1 = run_end(t0, bs, n), rows = t1 - t0;
-        const float *kr = run_at(k, bt, block_stride, bs, row, t0);
+        const kv_t *kr = run_at(k, bt, block_stride, bs, row, t0);
         prefetch_next(&tp, k, v, bt, block_stride, bs, row, width, start, n);
         for (int64_t h = 0; h < h1 - h0; h++) {
             for (int g = 0; g < GROUP; g++) {
@@ -162,10 +185,10 @@ static void attend(const float *q, const float *k, const float *v, int64_t block
                 for (int j = 0; j < NV; j++) qv[j] = *(const dvec *)(qg + DW * j);
                 #pragma GCC unroll 16
                 for (int i = 0; i < DW; i++) {
-                    const float *kh = kr + i * row + h * HEAD_DIM;
+                    const kv_t *kh = kr + i * row + h * HEAD_DIM;
                     dvec a = {0};
                     if (i < rows)
-                        for (int j = 0; j < NV; j++) a += qv[j] * *(const dvec *)(kh + DW * j);
+                        for (int j = 0; j < NV; j++) a += qv[j] * kv_vload(kh + DW * j);
                     acc[i] = a;
                 }
                 const dvec sc = lane_sums(acc) * scale;
@@ -195,7 +218,7 @@ static void attend(const float *q, const float *k, const float *v, int64_t block
     memset(o, 0, sizeof(float) * heads * HEAD_DIM);
     for (int64_t t0 = start; t0 < n;) {
         const int64_t t1 = run_end(t0, bs, n), rows = t1 - t0;
-        const float *vr = run_at(v, bt, block_stride, bs, row, t0);
+        const kv_t *vr = run_at(v, bt, block_stride, bs, row, t0);
         prefetch_next(&tp, k, v, bt, block_stride, bs, row, width, start, n);
         for (int64_t h = 0; h < h1 - h0; h++) {
             for (int j0 = 0; j0 < NV; j0 += VCH) {
@@ -204,10 +227,10 @@ static void attend(const float *q, const float *k, const float *v, int64_t block
                 for (int g = 0; g < GROUP; g++)
                     for (int j = 0; j < VCH; j++) acc[g][j] = *(dvec *)(oh + g * HEAD_DIM + DW * j);
                 for (int64_t i = 0; i < rows; i++) {
-                    const float *vh = vr + i * row + h * HEAD_DIM + DW * j0;
+                    const kv_t *vh = vr + i * row + h * HEAD_DIM + DW * j0;
                     for (int g = 0; g < GROUP; g++) {
                         const float p = s[(h * GROUP + g) * len + (t0 - start) + i];
-                        for (int j = 0; j < VCH; j++) acc[g][j] += p * *(const dvec *)(vh + DW * j);
+                        for (int j = 0; j < VCH; j++) acc[g][j] += p * kv_vload(vh + DW * j);
                     }
                 }
                 for (int g = 0; g < GROUP; g++)
@@ -224,7 +247,7 @@ static void attend(const float *q, const float *k, const float *v, int64_t block
    seq_lens: (R,) int32; out: (R, kv_heads * GROUP, HEAD_DIM) contiguous. window <= 0: none. *failed
    (shared) becomes 1 when out of memory; 2 when a seq_len needs more than max_blocks blocks; 3 when a
    block id it reads is outside [0, num_blocks) (nothing is read then, that row's output is left). */
-static void decode_attention_items(const float *q, int64_t q_stride, const float *k, const float *v,
+static void decode_attention_items(const float *q, int64_t q_stride, const kv_t *k, const kv_t *v,
                                    int64_t block_stride, int64_t num_blocks, const int32_t *block_tables,
                                    int64_t bt_stride, int64_t max_blocks, const int32_t *seq_lens,
                                    float *out, int64_t num_reqs, int64_t kv_heads, int64_t bs,
@@ -267,7 +290,7 @@ static void decode_attention_items(const float *q, int64_t q_stride, const float
 }
 
 /* decode_attention_items on num_threads threads; returns its failure code (0: none). */
-int swiftkv_decode_attention(const float *q, int64_t q_stride, const float *k, const float *v,
+int swiftkv_decode_attention(const float *q, int64_t q_stride, const kv_t *k, const kv_t *v,
                              int64_t block_stride, int64_t num_blocks, const int32_t *block_tables,
                              int64_t bt_stride, int64_t max_blocks, const int32_t *seq_lens, float *out,
                              int64_t num_reqs, int64_t kv_heads, int64_t bs, int64_t window, float scale,
@@ -292,11 +315,13 @@ def supports_shape(head_dim: int, group: int) -> bool:
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """The kernel applies: fp32 CPU tensors of a supported head shape."""
+    """The kernel applies: fp32 CPU queries, an fp32 or bf16 CPU cache, a supported head shape."""
     head_dim, kv_heads = k_cache.shape[-1], k_cache.shape[-2]
     return (
         q.is_cpu
-        and q.dtype == k_cache.dtype == torch.float32
+        and k_cache.is_cpu
+        and q.dtype == torch.float32
+        and cpu_compile.kv_bf16(k_cache.dtype) is not None
         and q.shape[1] % kv_heads == 0
         and supports_shape(head_dim, q.shape[1] // kv_heads)
     )
@@ -310,15 +335,16 @@ _ARGTYPES += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, c
 _ARGTYPES += [ctypes.c_float, ctypes.c_int]
 
 
-def kernel(head_dim: int, group: int) -> Callable | None:
-    """The compiled kernel for this (head_dim, group), built at the first call (kernels/cpu_compile.py);
-    None when it cannot be built or loaded here (logged once) or is switched off."""
+def kernel(head_dim: int, group: int, kv_dtype: torch.dtype = torch.float32) -> Callable | None:
+    """The compiled kernel for this (head_dim, group) and a cache of `kv_dtype` (fp32 or bf16), built at
+    the first call (kernels/cpu_compile.py); None when it cannot be built or loaded here (logged once) or
+    is switched off."""
     if not enabled():
         return None
     functions = cpu_compile.load(
         "decode-attention",
         SOURCE,
-        {"HEAD_DIM": head_dim, "GROUP": group},
+        {"HEAD_DIM": head_dim, "GROUP": group, "KV_BF16": cpu_compile.kv_bf16(kv_dtype)},
         {"swiftkv_decode_attention": _ARGTYPES},
     )
     return None if functions is None else functions["swiftkv_decode_attention"]
@@ -354,14 +380,16 @@ def decode_attention(
     window: int | None,
     scale: float,
 ) -> torch.Tensor | None:
-    """q: (R, H, D) fp32; k_cache, v_cache: (num_blocks, block_size, kv_heads, D); seq_lens (R,) int;
-    block_tables (R, max_blocks) int -> (R, H, D), or None when the kernel does not apply here
+    """q: (R, H, D) fp32; k_cache, v_cache: (num_blocks, block_size, kv_heads, D) fp32 or bf16; seq_lens
+    (R,) int; block_tables (R, max_blocks) int -> (R, H, D), or None when the kernel does not apply here
     (`supports`) or is unavailable."""
     if not supports(q, k_cache):
         return None
     num_reqs, num_heads, head_dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
-    fn = kernel(head_dim, num_heads // kv_heads)
+    if v_cache.dtype != k_cache.dtype:
+        return None
+    fn = kernel(head_dim, num_heads // kv_heads, k_cache.dtype)
     if fn is None:
         return None
     inputs = paged_inputs(q, k_cache, v_cache, seq_lens, block_tables)

@@ -37,6 +37,8 @@ import ctypes
 import os
 from collections.abc import Callable
 
+import torch
+
 from swiftkv_fast.kernels import cpu_compile, cpu_decode, cpu_gemm
 
 ENV_SWITCH = "SWIFTKV_CPU_DECODE_STACK"
@@ -78,8 +80,9 @@ struct stack_step {
     const float *cos, *sin;      /* (max_pos, HEAD_DIM / 2) */
     int64_t max_pos;
     int64_t num_heads, kv_heads;
-    float *kv_cache;             /* slot s, K: kv_cache + s * slot_stride: (num_blocks, bs, kv_heads,
-                                    HEAD_DIM) with blocks block_stride apart and dense rows */
+    kv_t *kv_cache;              /* slot s, K: kv_cache + s * slot_stride: (num_blocks, bs, kv_heads,
+                                    HEAD_DIM) with blocks block_stride apart and dense rows; fp32, or
+                                    bf16 with KV_BF16 */
     int64_t slot_stride, kv_stride, block_stride, num_blocks, bs;
     float eps, scale;
     double *timings;             /* NULL, or (3,): seconds added per phase (STACK_TIMED_*), wall time */
@@ -166,7 +169,7 @@ int swiftkv_decode_stack(const struct stack_step *st, const struct stack_layer *
     for (int64_t l = 0; l < n_layers; l++) {
         const struct stack_layer *ly = layers + l;
         const struct stack_group *g = groups + ly->group;
-        float *k_cache = st->kv_cache + ly->kv_slot * st->slot_stride, *v_cache = k_cache + st->kv_stride;
+        kv_t *k_cache = st->kv_cache + ly->kv_slot * st->slot_stride, *v_cache = k_cache + st->kv_stride;
         const int64_t nqkv = ly->qkv.N;
         gemm_pack_x(st->h, H, H, rows, PROLOGUE_RMS_NORM, l ? mlp : NULL, H, ly->input_norm, st->eps, xp);
         gemm_run(xp, ly->qkv.packed, ly->qkv.bias, qkv, nqkv, H, rows);
@@ -179,9 +182,9 @@ int swiftkv_decode_stack(const struct stack_step *st, const struct stack_layer *
                              st->sin + p);
             const int64_t s = ly->writes_kv ? g->slots[t] : -1;
             if (s >= 0) {
-                float *kc = k_cache + s / st->bs * st->block_stride + s % st->bs * kv_row;
-                memcpy(kc, row + q_width, sizeof(float) * kv_row);
-                memcpy(kc + st->kv_stride, row + q_width + kv_row, sizeof(float) * kv_row);
+                kv_t *kc = k_cache + s / st->bs * st->block_stride + s % st->bs * kv_row;
+                swiftkv_kv_store(kc, row + q_width, kv_row);
+                swiftkv_kv_store(kc + st->kv_stride, row + q_width + kv_row, kv_row);
             }
         }
         STACK_LAP(STACK_TIMED_ROPE_KV)
@@ -281,15 +284,21 @@ def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") != "0"
 
 
-def kernel(head_dim: int, group: int) -> Callable | None:
-    """The compiled stack for this (head_dim, group), built at the first call; None when switched off,
-    when the panel GEMM or decode-attention kernel is, or when it cannot be built here (logged once)."""
+def kernel(head_dim: int, group: int, kv_dtype: torch.dtype = torch.float32) -> Callable | None:
+    """The compiled stack for this (head_dim, group) and a cache of `kv_dtype` (fp32 or bf16), built at
+    the first call; None when switched off, when the panel GEMM or decode-attention kernel is, or when it
+    cannot be built here (logged once)."""
     if not (enabled() and cpu_gemm.enabled() and cpu_decode.enabled()):
         return None
     functions = cpu_compile.load(
         "decode-stack",
         SOURCE,
-        {"HEAD_DIM": head_dim, "GROUP": group, "SWIFTKV_NO_AVX512": 0},
+        {
+            "HEAD_DIM": head_dim,
+            "GROUP": group,
+            "SWIFTKV_NO_AVX512": 0,
+            "KV_BF16": cpu_compile.kv_bf16(kv_dtype),
+        },
         {"swiftkv_decode_stack": _ARGTYPES},
     )
     return None if functions is None else functions["swiftkv_decode_stack"]

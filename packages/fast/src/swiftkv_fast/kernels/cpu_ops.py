@@ -29,6 +29,7 @@ PARALLEL_MIN = 1 << 16  # elements below which a call runs on one thread (a para
 SOURCE = (
     cpu_compile.EXPF
     + cpu_compile.ROW_OPS
+    + cpu_compile.KV_TYPES
     + r"""
 #include <math.h>
 #include <stdint.h>
@@ -133,21 +134,46 @@ int swiftkv_rope(float *x, int64_t x_stride, int64_t T, int64_t heads, int64_t D
    slot s at cache + l * layer_stride + s * row, its V row kv_stride further; k, v: token t's row of
    layer l at k + t * k_ts + l * k_ls (same for v), each `row` values dense; slots: (T,) int64, a
    negative slot is skipped. Returns 1 (nothing written) when a slot is >= num_slots. */
-int swiftkv_write_kv(float *cache, int64_t layer_stride, int64_t kv_stride, int64_t num_slots, int64_t row,
-                     const float *k, int64_t k_ts, int64_t k_ls, const float *v, int64_t v_ts, int64_t v_ls,
-                     const int64_t *slots, int64_t T, int64_t n_layers, int num_threads) {
+static int write_kv_rows(void *cache, int bf16, int64_t layer_stride, int64_t kv_stride, int64_t num_slots,
+                         int64_t row, const float *k, int64_t k_ts, int64_t k_ls, const float *v,
+                         int64_t v_ts, int64_t v_ls, const int64_t *slots, int64_t T, int64_t n_layers,
+                         int num_threads) {
     for (int64_t t = 0; t < T; t++)
         if (slots[t] >= num_slots) return 1;
     #pragma omp parallel for num_threads(num_threads) if (T * n_layers * row >= PARALLEL_MIN)
     for (int64_t t = 0; t < T; t++) {
         if (slots[t] < 0) continue;
         for (int64_t l = 0; l < n_layers; l++) {
-            float *kc = cache + l * layer_stride + slots[t] * row, *vc = kc + kv_stride;
-            memcpy(kc, k + t * k_ts + l * k_ls, sizeof(float) * row);
-            memcpy(vc, v + t * v_ts + l * v_ls, sizeof(float) * row);
+            const int64_t at = l * layer_stride + slots[t] * row;
+            const float *ks = k + t * k_ts + l * k_ls, *vs = v + t * v_ts + l * v_ls;
+            if (bf16) {
+                uint16_t *kc = (uint16_t *)cache + at, *vc = kc + kv_stride;
+                for (int64_t i = 0; i < row; i++) kc[i] = swiftkv_float_to_bf16(ks[i]);
+                for (int64_t i = 0; i < row; i++) vc[i] = swiftkv_float_to_bf16(vs[i]);
+            } else {
+                float *kc = (float *)cache + at, *vc = kc + kv_stride;
+                memcpy(kc, ks, sizeof(float) * row);
+                memcpy(vc, vs, sizeof(float) * row);
+            }
         }
     }
     return 0;
+}
+
+/* into an fp32 cache, and into a bf16 one (rounded to nearest even, as torch rounds) */
+int swiftkv_write_kv(float *cache, int64_t layer_stride, int64_t kv_stride, int64_t num_slots, int64_t row,
+                     const float *k, int64_t k_ts, int64_t k_ls, const float *v, int64_t v_ts, int64_t v_ls,
+                     const int64_t *slots, int64_t T, int64_t n_layers, int num_threads) {
+    return write_kv_rows(cache, 0, layer_stride, kv_stride, num_slots, row, k, k_ts, k_ls, v, v_ts, v_ls,
+                         slots, T, n_layers, num_threads);
+}
+
+int swiftkv_write_kv_bf16(uint16_t *cache, int64_t layer_stride, int64_t kv_stride, int64_t num_slots,
+                          int64_t row, const float *k, int64_t k_ts, int64_t k_ls, const float *v,
+                          int64_t v_ts, int64_t v_ls, const int64_t *slots, int64_t T, int64_t n_layers,
+                          int num_threads) {
+    return write_kv_rows(cache, 1, layer_stride, kv_stride, num_slots, row, k, k_ts, k_ls, v, v_ts, v_ls,
+                         slots, T, n_layers, num_threads);
 }
 """
 )
@@ -164,6 +190,8 @@ SYMBOLS = {
     "swiftkv_rope": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _INT],
     # cache, layer_stride, kv_stride, num_slots, row, k, k_ts, k_ls, v, v_ts, v_ls, slots, T, layers, threads
     "swiftkv_write_kv": [_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _INT],
+    "swiftkv_write_kv_bf16": [_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64]
+    + [_INT],
 }
 
 
@@ -312,11 +340,15 @@ def _dense_rows(t: torch.Tensor) -> bool:
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
     """The backend's write_kv (attention/base.py): kv_cache (n_layers, 2, num_blocks, block_size, kv_heads,
-    head_dim), k, v (T, n_layers, kv_heads, head_dim), slot_mapping (T,), -1 = skip. False (nothing
-    written) when it does not apply; ValueError for a slot outside the cache."""
+    head_dim) fp32 or bf16 (rounded as torch's .to rounds), k, v (T, n_layers, kv_heads, head_dim) fp32,
+    slot_mapping (T,), -1 = skip. False (nothing written) when it does not apply; ValueError for a slot
+    outside the cache."""
     n_layers, _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
     row = kv_heads * head_dim
-    if not kv_cache.is_cpu or not kv_cache.dtype == k.dtype == v.dtype == torch.float32:
+    if not kv_cache.is_cpu or not k.dtype == v.dtype == torch.float32:
+        return False
+    name = {torch.float32: "swiftkv_write_kv", torch.bfloat16: "swiftkv_write_kv_bf16"}.get(kv_cache.dtype)
+    if name is None:
         return False
     if kv_cache.stride()[2:] != (block_size * row, row, head_dim, 1) or not (
         _dense_rows(k) and _dense_rows(v)
@@ -332,7 +364,7 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     if kernels is None:
         return False
     slots = slot_mapping.to(torch.int64).contiguous()
-    status = kernels["swiftkv_write_kv"](
+    status = kernels[name](
         kv_cache.data_ptr(),
         kv_cache.stride(0),
         kv_cache.stride(1),

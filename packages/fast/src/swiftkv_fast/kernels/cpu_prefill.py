@@ -57,6 +57,7 @@ ENV_SWITCH = "SWIFTKV_CPU_PREFILL_KERNEL"
 
 SOURCE = (
     cpu_compile.EXPF
+    + cpu_compile.KV_TYPES
     + r"""
 #include <float.h>
 #include <stdint.h>
@@ -130,7 +131,7 @@ static inline void qk_block(const float *qT, int64_t ldq, const float *keys, flo
 
 /* oT[d0 + dd][0..BLOCK_ROWS) (rows ldo apart) += sum over j < nk of pT[j][0..BLOCK_ROWS) (rows ldp
    apart) * vrow[j][d0 + dd], dd < DB */
-static inline void pv_block(const float *pT, int64_t ldp, const float *const *vrow, int64_t nk, int64_t d0,
+static inline void pv_block(const float *pT, int64_t ldp, const kv_t *const *vrow, int64_t nk, int64_t d0,
                             float *oT, int64_t ldo) {
     vec acc[DB][RV];
     for (int dd = 0; dd < DB; dd++)
@@ -138,11 +139,11 @@ static inline void pv_block(const float *pT, int64_t ldp, const float *const *vr
     for (int64_t j = 0; j < nk; j++) {
         vec p[RV];
         for (int v = 0; v < RV; v++) p[v] = *(const vec *)(pT + j * ldp + v * VL);
-        const float *vj = vrow[j] + d0;
+        const kv_t *vj = vrow[j] + d0;
         __asm__("" : "+r"(vj));  /* one pointer, the DB values at immediate offsets (else gcc keeps DB
                                     offsets in registers and spills them) */
         for (int dd = 0; dd < DB; dd++) {
-            const float x = vj[dd];
+            const float x = KV_TO_FLOAT(vj[dd]);
             for (int v = 0; v < RV; v++) acc[dd][v] += x * p[v];
         }
     }
@@ -156,13 +157,13 @@ typedef struct {
     vec m[VECS], l[VECS];       /* running max and sum of each row */
     vint pos[VECS];             /* each row's position; -1 past the tile's rows */
     int64_t pmin[VECS], pmax[VECS];
-    const float *vrow[KEY_CHUNK];
+    const kv_t *vrow[KEY_CHUNK];
 } Scratch;
 
 /* Rows [t0, t0 + nt) of one request's queries (positions pos0 + t) and KV head h, a row per (position,
    query head of the group): keys its packed K (ldk, HEAD_DIM) from position k_first on, v its V (head
    h's values of block 0, row 0). */
-static void attend_tile(const float *q, int64_t q_stride, const float *keys, int64_t k_first, const float *v,
+static void attend_tile(const float *q, int64_t q_stride, const float *keys, int64_t k_first, const kv_t *v,
                         int64_t block_stride, const int32_t *bt, int64_t bs, int64_t row, int64_t pos0,
                         int64_t nt, int64_t window, float scale, float *out, int64_t out_stride, Scratch *w) {
     const int64_t rows = nt * GROUP, rows_pad = (rows + BLOCK_ROWS - 1) / BLOCK_ROWS * BLOCK_ROWS;
@@ -243,7 +244,7 @@ static void attend_tile(const float *q, int64_t q_stride, const float *keys, int
    request has more queries than positions or a negative length, or its seq_len needs more than
    max_blocks blocks; 3 when a block id it would read is outside [0, num_blocks); 1 when out of memory.
    Else 0. */
-int swiftkv_prefill_attention(const float *q, int64_t q_stride, const float *k, const float *v,
+int swiftkv_prefill_attention(const float *q, int64_t q_stride, const kv_t *k, const kv_t *v,
                               int64_t block_stride, int64_t num_blocks, const int32_t *block_tables,
                               int64_t bt_stride, int64_t max_blocks, const int32_t *cu_q,
                               const int32_t *seq_lens, float *out, int64_t num_reqs, int64_t kv_heads,
@@ -300,11 +301,12 @@ int swiftkv_prefill_attention(const float *q, int64_t q_stride, const float *k, 
                 float *dst = packed + k_off[r] + h * HEAD_DIM * k_rows[r];
                 for (int64_t j = 0; j < k_rows[r]; j++) {
                     const int64_t p = k_first[r] + j;
-                    if (p < seq_lens[r])
-                        memcpy(dst + j * HEAD_DIM, k + (int64_t)bt[p / bs] * block_stride + (p % bs) * row
-                                                       + h * HEAD_DIM, sizeof(float) * HEAD_DIM);
-                    else
+                    if (p < seq_lens[r]) {
+                        const int64_t at = (int64_t)bt[p / bs] * block_stride + (p % bs) * row + h * HEAD_DIM;
+                        swiftkv_kv_load(dst + j * HEAD_DIM, k + at, HEAD_DIM);
+                    } else {
                         memset(dst + j * HEAD_DIM, 0, sizeof(float) * HEAD_DIM);
+                    }
                 }
             }
         }
@@ -345,9 +347,9 @@ def enabled() -> bool:
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """The kernel applies: where the decode kernel does (fp32 CPU tensors, group at most
-    cpu_decode.MAX_GROUP, head_dim at most 256) and head_dim is a multiple of 16 (whole output-column
-    blocks of the P V product)."""
+    """The kernel applies: where the decode kernel does (fp32 CPU queries, an fp32 or bf16 cache, group
+    at most cpu_decode.MAX_GROUP, head_dim at most 256) and head_dim is a multiple of 16 (whole
+    output-column blocks of the P V product)."""
     return cpu_decode.supports(q, k_cache) and k_cache.shape[-1] % 16 == 0
 
 
@@ -359,16 +361,24 @@ _ARGTYPES += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, 
 _ARGTYPES += [ctypes.c_int64, ctypes.c_float, ctypes.c_int]
 
 
-def kernel(head_dim: int, group: int, avx512: bool = True) -> Callable | None:
-    """The compiled kernel for this (head_dim, group), built at the first call (kernels/cpu_compile.py);
-    None when it cannot be built or loaded here (logged once) or is switched off. `avx512=False` builds
-    the 8-lane register blocks even where the compiler targets AVX-512 (tests check both paths)."""
+def kernel(
+    head_dim: int, group: int, avx512: bool = True, kv_dtype: torch.dtype = torch.float32
+) -> Callable | None:
+    """The compiled kernel for this (head_dim, group) and a cache of `kv_dtype` (fp32 or bf16), built at
+    the first call (kernels/cpu_compile.py); None when it cannot be built or loaded here (logged once) or
+    is switched off. `avx512=False` builds the 8-lane register blocks even where the compiler targets
+    AVX-512 (tests check both paths)."""
     if not enabled():
         return None
     functions = cpu_compile.load(
         "prefill-attention",
         SOURCE,
-        {"HEAD_DIM": head_dim, "GROUP": group, "SWIFTKV_NO_AVX512": int(not avx512)},
+        {
+            "HEAD_DIM": head_dim,
+            "GROUP": group,
+            "SWIFTKV_NO_AVX512": int(not avx512),
+            "KV_BF16": cpu_compile.kv_bf16(kv_dtype),
+        },
         {"swiftkv_prefill_attention": _ARGTYPES},
     )
     return None if functions is None else functions["swiftkv_prefill_attention"]
@@ -394,7 +404,9 @@ def prefill_attention(
         return None
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
-    fn = kernel(head_dim, num_heads // kv_heads, avx512)
+    if v_cache.dtype != k_cache.dtype:
+        return None
+    fn = kernel(head_dim, num_heads // kv_heads, avx512, k_cache.dtype)
     if fn is None:
         return None
     inputs = cpu_decode.paged_inputs(q, k_cache, v_cache, seq_lens, block_tables)

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from swiftkv_fast.kernels import cpu_decode
+from swiftkv_fast.kernels import cpu_compile, cpu_decode
 from swiftkv_fast.kernels import cpu_decode_stack as kernel_module
 from swiftkv_fast.kernels.cpu_decode_stack import StackGroup, StackLayer, StackLinear, StackStep
 from swiftkv_fast.model.layers import Linear, RotaryTable
@@ -43,8 +43,10 @@ class DecodeStack:
         eps: float,
         scale: float,
         rotary: RotaryTable,
+        kv_dtype: torch.dtype = torch.float32,
     ):
         self.layers = list(layers)
+        self.kv_dtype = kv_dtype  # the cache's: fp32 or bf16 (the kernel is built for one)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.eps, self.scale, self.rotary = eps, scale, rotary
         self.writes_kv = writes_kv
@@ -66,9 +68,10 @@ class DecodeStack:
             group = self.num_heads // self.num_kv_heads
             shapes_ok = self.num_heads % self.num_kv_heads == 0
             shapes_ok = shapes_ok and cpu_decode.supports_shape(self.head_dim, group)
+            shapes_ok = shapes_ok and cpu_compile.kv_bf16(self.kv_dtype) is not None
             if not (self.layers and shapes_ok and all(self._fits(lw) for lw in self.layers)):
                 return False
-            self._fn = kernel_module.kernel(self.head_dim, group)
+            self._fn = kernel_module.kernel(self.head_dim, group, self.kv_dtype)
             if self._fn is None:
                 return False
             self._structs = (StackLayer * len(self.layers))(
@@ -223,13 +226,13 @@ class DecodeStack:
         return t.data_ptr()
 
     def applies(self, h: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-        """The tensors are what the C call reads: fp32 CPU h (T, hidden) contiguous, a cache with dense
-        rows, and the panel GEMM at T rows for every linear."""
+        """The tensors are what the C call reads: fp32 CPU h (T, hidden) contiguous, a cache of the dtype it
+        was built for with dense rows, and the panel GEMM at T rows for every linear."""
         if not (h.is_cpu and h.dtype == torch.float32 and h.is_contiguous() and h.dim() == 2):
             return False
         if not self.layers or h.shape[1] != self.layers[0].input_norm.shape[0]:
             return False
-        if kv_cache.dtype != torch.float32 or not kv_cache.is_cpu or not self.runs_at(h.shape[0]):
+        if kv_cache.dtype != self.kv_dtype or not kv_cache.is_cpu or not self.runs_at(h.shape[0]):
             return False
         block_size = kv_cache.shape[3]
         row = self.num_kv_heads * self.head_dim

@@ -56,7 +56,7 @@ HALVES = ("first", "second")
 
 def stack_key(stack: DecodeStack, half: str, cold: bool) -> str:
     """The cache key of one half's timings: what they depend on beyond the machine (the layers' shapes,
-    heads, the stack kernel's source)."""
+    heads, the KV cache's dtype, the stack kernel's source)."""
     lw = stack.layers[0]
     shapes = "/".join(f"{lin.out_features}x{lin.in_features}" for lin in layer_linears(lw))
     windows = ",".join(sorted({str(x.window or 0) for x in stack.layers}))
@@ -64,7 +64,8 @@ def stack_key(stack: DecodeStack, half: str, cold: bool) -> str:
     heads = f"{stack.num_heads}/{stack.num_kv_heads}x{stack.head_dim}"
     return (
         f"decode-stack {half} {len(stack.layers)} layers {shapes} heads {heads} windows {windows} "
-        f"groups {stack.num_groups} src {source}{' cold' if cold else ''}"
+        f"groups {stack.num_groups} kv {str(stack.kv_dtype).removeprefix('torch.')} src {source}"
+        f"{' cold' if cold else ''}"
     )
 
 

@@ -98,6 +98,7 @@ class SwiftKVModel:
                 eps=eps,
                 scale=self.scale,
                 rotary=rotary,
+                kv_dtype=layout.dtype,
             )
             self.stacks = (
                 DecodeStack(weights.layers[: self.L], writes_kv=True, **shape),

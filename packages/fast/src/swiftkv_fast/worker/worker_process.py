@@ -74,7 +74,7 @@ def run_worker(
         tp = init_tensor_parallel(store, rank, size, device)
         config, state_dict = source.load(rank, size)
         shard = TensorParallelShard.of(config, rank, size)
-        layout = KVCacheLayout.from_config(config, econf.block_size, econf.dtype, shard.num_kv_heads)
+        layout = KVCacheLayout.from_config(config, econf.block_size, econf.kv_cache_dtype, shard.num_kv_heads)
         runner = ModelRunner(config, econf, layout, state_dict, tp)
         del state_dict
         while (step := tp.broadcast_object(idle=True)) is not None:

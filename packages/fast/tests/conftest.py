@@ -114,8 +114,17 @@ def naive_prefill(q, k_cache, v_cache, q_lens, kv_lens, block_tables, window, sc
     for r, (n, s) in enumerate(zip(q_lens, kv_lens)):
         for i in range(n):
             pos = s - n + i
-            out.append(naive_decode(q[start + i][None], k_cache, v_cache, torch.tensor([pos + 1]),
-                                    block_tables[r : r + 1], window, scale)[0])
+            out.append(
+                naive_decode(
+                    q[start + i][None],
+                    k_cache,
+                    v_cache,
+                    torch.tensor([pos + 1]),
+                    block_tables[r : r + 1],
+                    window,
+                    scale,
+                )[0]
+            )
         start += n
     return torch.stack(out)
 

@@ -53,13 +53,27 @@ QUICK_MIXES = {
     "prefill-heavy": (4, 160, 16, 0.25),
     "decode-heavy": (4, 16, 32, 0.25),
 }
-SYSTEMS = ["fast-off", "fast-on", "hf-generate", "hf-generate-batch", "gemm-floor-off", "gemm-floor-on"]
+DEFAULT_SYSTEMS = [
+    "fast-off",
+    "fast-on",
+    "hf-generate",
+    "hf-generate-batch",
+    "gemm-floor-off",
+    "gemm-floor-on",
+]
+# the engine over a bf16 KV cache (kv_cache_dtype="bfloat16"): half the bytes decode attention reads
+KV_BF16_SYSTEMS = {"fast-off-kv-bf16": "fast-off", "fast-on-kv-bf16": "fast-on"}
+SYSTEMS = [*DEFAULT_SYSTEMS, *KV_BF16_SYSTEMS]
 BASELINE = "hf-generate"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mixes", type=lambda s: s.split(","), help=f"comma-separated, from {list(MIXES)}")
-    parser.add_argument("--systems", type=lambda s: s.split(","), help=f"comma-separated, from {SYSTEMS}")
+    parser.add_argument(
+        "--systems",
+        type=lambda s: s.split(","),
+        help=f"comma-separated, from {SYSTEMS} (default: {','.join(DEFAULT_SYSTEMS)})",
+    )
     parser.add_argument(
         "--temperature",
         type=_temperature,
@@ -93,7 +107,7 @@ def mix_prompts(mix: tuple, vocab_size: int, seed: int) -> tuple[list[list[int]]
 def run(args: argparse.Namespace) -> int:
     table_of = QUICK_MIXES if args.quick else MIXES
     mixes = args.mixes or list(table_of)
-    systems = args.systems or SYSTEMS
+    systems = args.systems or DEFAULT_SYSTEMS
     repeat = args.repeat or 3
     warmup = 1 if args.warmup is None else args.warmup
 
@@ -187,6 +201,11 @@ class _Systems:
             if "gemm-floor-on" in wanted:
                 self.fns["gemm-floor-on"] = lambda p, n: gemm_floor.run(on, p, n)
                 self.floor_llms["gemm-floor-on"] = on
+        for name in set(KV_BF16_SYSTEMS) & set(wanted):
+            layers = self.on_layers if KV_BF16_SYSTEMS[name] == "fast-on" else None
+            llm = engine.build_llm(layers, kv_cache_dtype="bfloat16")
+            self.fns[name] = lambda p, n, llm=llm: engine.run_batch(llm, p, n, temperature=temperature)
+            self.llms[name] = llm
         if {"hf-generate", "hf-generate-batch"} & set(wanted):
             from swiftkv_reference.default_model import default_model_dir
 
@@ -332,6 +351,11 @@ def _table(
         "fast-on: SwiftKV converted on the fly (no distillation): speed, not quality. "
         "x hf-generate: output tok/s ratio, round by round."
     )
+    if any(r["system"] in KV_BF16_SYSTEMS for r in rows):
+        t.notes.append(
+            "*-kv-bf16: the same engine with kv_cache_dtype='bfloat16' (K/V rounded to bf16, read back as "
+            "fp32): half the KV cache's bytes, other numerics than the fp32 systems."
+        )
     if any(r["system"].startswith("gemm-floor") for r in rows):
         t.notes.append(
             "gemm-floor-off/on: only the engine's fp32 linear layers for this workload (same weights, "

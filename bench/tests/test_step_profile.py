@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from bench import engine, step_profile
 from bench.__main__ import main
@@ -101,6 +102,32 @@ def test_throughput_quick_profile_reports_shares(monkeypatch, tmp_path, capsys):
         prof = rows[system]["step_profile"]
         assert_shares(prof["all"], 8)  # quick issue4: 4 x 64 prompt tokens -> 8 tokens each
         assert_shares(prof["decode"], 7)
+
+
+def test_throughput_kv_bf16_systems(monkeypatch, tmp_path, capsys):
+    """fast-*-kv-bf16: the engine built with kv_cache_dtype='bfloat16', measured and profiled beside the
+    fp32 one, and named as such in the table."""
+    from bench import throughput
+
+    build = engine.build_llm
+    built = []
+
+    def build_tiny(L=None, **kw):
+        built.append((L, kw.get("kv_cache_dtype"), tiny_llm(L, build=build, **kw)))
+        return built[-1][2]
+
+    monkeypatch.setattr(engine, "build_llm", build_tiny)
+    monkeypatch.setattr(throughput, "plot", lambda rows, mixes, systems, out: out / "throughput.png")
+    systems = "fast-off,fast-on-kv-bf16"
+    argv = ["throughput", "--quick", "--profile", "--systems", systems, "--mixes", "issue4"]
+    assert main([*argv, "--warmup", "0", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "kv_cache_dtype='bfloat16'" in out and "fast-on-kv-bf16 (decode steps)" in out
+    caches = {(L, dtype): llm.llm_engine.runner.kv_cache.dtype for L, dtype, llm in built}
+    assert caches == {(None, None): torch.float32, (2, "bfloat16"): torch.bfloat16}
+    rows = {r["system"]: r for r in json.loads((tmp_path / "throughput.json").read_text())["results"]}
+    assert set(rows) == {"fast-off", "fast-on-kv-bf16"}
+    assert_shares(rows["fast-on-kv-bf16"]["step_profile"]["decode"], 7)
 
 
 def test_throughput_quick_sampled(monkeypatch, tmp_path, capsys):

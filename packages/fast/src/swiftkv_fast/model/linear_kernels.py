@@ -492,7 +492,6 @@ class LinearKernelChooser:
             spare,
         )
 
-
     def _shape_key(self, weight: torch.Tensor) -> str:
         cold = " cold" if self.cold else ""
         return f"{str(weight.dtype).removeprefix('torch.')} {weight.shape[0]}x{weight.shape[1]}{cold}"

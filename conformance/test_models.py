@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from .adapters.base import Sampling
 from .cases import MODEL_CASES, PROMPT_LENGTHS, SMALL_PROMPT_LENGTHS, Case, make_prompts, submit
@@ -38,7 +37,7 @@ def test_model_matrix(impl, model, bench, request):
 @pytest.mark.parametrize("model", ["swiftkv-half", "hybrid-acrosskv-window"])
 def test_seeded_sampling(impl, model, bench, request):
     """temperature / top-k / top-p with per-request seeds: token for token (fp32 on CPU only)."""
-    if impl.dtype != torch.float32:
+    if not impl.exact:
         pytest.skip("seeded sampling equals the reference token for token only in fp32")
     if impl.interpreted:
         pytest.skip(
@@ -69,7 +68,7 @@ def test_without_logprobs(impl, model, bench, request):
     config, _ = bench.model(model)
     prompts = make_prompts(config.vocab_size, (3, 17, 30), seed=13)
     sampling = [Sampling(max_tokens=5, logprobs=None)] * 2
-    if impl.dtype == torch.float32:  # seeded sampling equals the reference token for token only in fp32
+    if impl.exact:  # seeded sampling equals the reference token for token only in fp32
         sampling.append(Sampling(max_tokens=5, temperature=0.9, top_k=30, seed=4, logprobs=None))
     else:
         sampling.append(sampling[0])

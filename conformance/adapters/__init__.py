@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 from .base import EngineOptions, Implementation, Output, Runner, Sampling
-from .fast import FastCpuBf16x3, FastCpuStack, FastCudaGraph, FastFlash, FastTorch, FastTP2, FastTriton
+from .fast import (
+    FastCpuBf16x3,
+    FastCpuKvBf16,
+    FastCpuStack,
+    FastCudaGraph,
+    FastFlash,
+    FastTorch,
+    FastTP2,
+    FastTriton,
+)
 from .reference import Reference
 
 IMPLEMENTATIONS: dict[str, type[Implementation]] = {
@@ -13,6 +22,7 @@ IMPLEMENTATIONS: dict[str, type[Implementation]] = {
         FastTorch,
         FastCpuStack,
         FastCpuBf16x3,
+        FastCpuKvBf16,
         FastTriton,
         FastFlash,
         FastCudaGraph,

@@ -115,9 +115,16 @@ class Implementation(ABC):
     gpu: ClassVar[bool] = False  # part of `--impl gpu`
     interpreted: ClassVar[bool] = False  # slow (Triton interpreter): only the small cases run
     has_engine: ClassVar[bool] = True  # scheduling knobs exist (tests marked `engine` apply)
+    lossy_kv_cache: ClassVar[bool] = False  # K/V stored rounded (a bf16 cache under an fp32 model)
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
+
+    @property
+    def exact(self) -> bool:
+        """Held to the fp32 rule (the reference's greedy tokens, logits within 1e-4): fp32 throughout,
+        the KV cache included. Otherwise vLLM's low-precision rule (top-5) applies."""
+        return self.dtype == torch.float32 and not self.lossy_kv_cache
 
     @classmethod
     @abstractmethod

@@ -13,6 +13,8 @@ fast-cpu-stack  attention_backend="torch" on CPU with every linear through the p
 fast-cpu-bf16x3 attention_backend="torch" on CPU at matmul_precision="high" with every linear through
                 the AMX bf16x3 kernel (linear_kernel="bf16x3"; CPUs with AMX-BF16), held to the fp32
                 tolerances like the others
+fast-cpu-kv-bf16 attention_backend="torch" on CPU over a bf16 KV cache (kv_cache_dtype="bfloat16"):
+                K/V rounded to bf16, so held to vLLM's low-precision rule, not the fp32 one
 """
 
 from __future__ import annotations
@@ -340,3 +342,24 @@ class FastCpuBf16x3(Fast):
 
     def engine_kwargs(self, engine: EngineOptions) -> dict[str, Any]:
         return {**super().engine_kwargs(engine), "linear_kernel": "bf16x3", "matmul_precision": "high"}
+
+
+class FastCpuKvBf16(Fast):
+    """The CPU path over a bf16 KV cache (kv_cache_dtype="bfloat16"): K and V are rounded to bf16 when
+    written and read back as fp32, so the logits move by about 1e-2 (tests/test_kv_cache_dtype.py) and
+    the case is judged by vLLM's low-precision rule (`exact` is False), as vLLM judges its own
+    quantized KV caches."""
+
+    name = "fast-cpu-kv-bf16"
+    backend = "torch"
+    lossy_kv_cache = True
+
+    @classmethod
+    def device(cls) -> str:
+        return "cpu"
+
+    def engine_kwargs(self, engine: EngineOptions) -> dict[str, Any]:
+        return {**super().engine_kwargs(engine), "kv_cache_dtype": "bfloat16"}
+
+    def describe(self) -> str:
+        return f"{super().describe()} kv_cache_dtype=bfloat16"

@@ -1,5 +1,6 @@
-"""Prompt attention on CPU over the paged KV cache as one compiled C kernel (fp32; the `torch` backend's
-prefill path for prompt rows).
+"""Prompt attention on CPU over the paged KV cache as one compiled C kernel (fp32 queries over an fp32 or
+bf16 cache, whose keys the per-request copy below widens and whose values each use widens; the `torch`
+backend's prefill path for prompt rows).
 
 Request r's n_r queries sit at positions [s_r - n_r, s_r) (a fresh prompt, a chunk that continues one,
 or a SwiftKV early-exit batch) and see the positions <= their own, and with a window W only those

@@ -5,7 +5,9 @@ the formula
     bytes/token = 2 * (L + (N - L) / G) * kv_heads * head_dim * element_bytes
 
 (K and V, for L own layers plus one shared cache per AcrossKV group). SwiftKV alone (G = 1) keeps a
-cache for every layer; only G > 1 saves memory. Nothing is timed here.
+cache for every layer; only G > 1 saves memory, or `--kv-cache-dtype bfloat16` (the engine's
+kv_cache_dtype: 2 bytes per value instead of fp32's 4, for K/V of 8 significant bits). Nothing is
+timed here.
 
 Under tensor parallelism over TP ranks (`--tensor-parallel-size`, default 3: the embedded model's 9
 heads and 3 K/V heads split 1 and 3 ways, not 2) each rank holds kv_heads / TP of the K/V heads (1 when
@@ -30,6 +32,12 @@ HELP = "KV bytes/token and max concurrency across L and G (AcrossKV), measured v
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-mib", type=int, default=256, help="KV cache size in MiB (default 256)")
     parser.add_argument("--request-len", type=int, default=2048, help="tokens per request (default 2048)")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "bfloat16"],
+        help="what the KV cache holds (the engine's kv_cache_dtype; auto: fp32, the model's dtype)",
+    )
     parser.add_argument(
         "--tensor-parallel-size",
         type=int,
@@ -101,9 +109,20 @@ def kv_row(llm, tensor_parallel_size: int, request_len: int) -> dict:
     }
 
 
-def measure(config, state_dict, L, G, kv_cache_memory, request_len, tensor_parallel_size=1) -> dict:
+def measure(
+    config, state_dict, L, G, kv_cache_memory, request_len, tensor_parallel_size=1, kv_cache_dtype="auto"
+) -> dict:
     """`kv_row` of a fresh engine (shut down after), or {"refused": the engine's message}."""
-    llm, refused = build(config, state_dict, L, G, kv_cache_memory, request_len, tensor_parallel_size)
+    llm, refused = build(
+        config,
+        state_dict,
+        L,
+        G,
+        kv_cache_memory,
+        request_len,
+        tensor_parallel_size,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     if llm is None:
         return {
             "tensor_parallel_size": tensor_parallel_size,
@@ -137,14 +156,16 @@ def run(args: argparse.Namespace) -> int:
     tp = args.tensor_parallel_size
     rows = []
     for L, G in splits(n_layers, args.quick):
-        row = measure(config, state, L, G, budget, args.request_len)
+        kv_dtype = args.kv_cache_dtype
+        row = measure(config, state, L, G, budget, args.request_len, kv_cache_dtype=kv_dtype)
         if tp > 1:  # the workers read their shards from the checkpoint directory
-            row["tensor_parallel"] = measure(config, None, L, G, budget, args.request_len, tp)
+            row["tensor_parallel"] = measure(config, None, L, G, budget, args.request_len, tp, kv_dtype)
         rows.append(row)
     full = rows[0]
     per_rank = [] if tp == 1 else [f"TP={tp} bytes/token/rank", f"TP={tp} max concurrency"]
     table = report.Table(
-        f"KV memory, SmolLM2-135M-Instruct fp32 (N={n_layers}), {args.cache_mib} MiB cache (per rank), "
+        f"KV memory, SmolLM2-135M-Instruct fp32 (N={n_layers}), KV cache "
+        f"{'bf16' if args.kv_cache_dtype == 'bfloat16' else 'fp32'}, {args.cache_mib} MiB cache (per rank), "
         f"{args.request_len}-token requests",
         [
             "L",
@@ -187,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
         "num_hidden_layers": n_layers,
         "tensor_parallel_size": tp,
         "dtype": "float32",
+        "kv_cache_dtype": "bfloat16" if args.kv_cache_dtype == "bfloat16" else "float32",
     }
     json_path = report.write_json(args.out, "memory", settings, rows)
     png_path = plot(rows, args.out)

@@ -50,3 +50,8 @@ def test_memory_measure_refuses_an_n_that_does_not_split_and_replicates_fewer_kv
     assert two["kv_heads"] == one["kv_heads"] == 1
     assert two["bytes_per_token"] == one["bytes_per_token"] == two["formula_bytes_per_token"]
     assert memory.kv_heads_per_rank(3, 3) == 1 and memory.kv_heads_per_rank(6, 2) == 3
+    # a bf16 KV cache: half the bytes per token (the formula at 2 bytes a value), twice the blocks
+    bf16 = memory.measure(config, state, None, None, 1 << 20, 64, kv_cache_dtype="bfloat16")
+    assert bf16["element_bytes"] == 2 and bf16["matches_formula"]
+    assert 2 * bf16["bytes_per_token"] == one["bytes_per_token"]
+    assert bf16["num_blocks"] in (2 * one["num_blocks"], 2 * one["num_blocks"] + 1)

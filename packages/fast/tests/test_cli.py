@@ -57,6 +57,17 @@ def test_matmul_precision_flag_reaches_the_engine():
         build_parser().parse_args(["generate", "--matmul-precision", "medium"])
 
 
+def test_kv_cache_dtype_flag_reaches_the_engine():
+    from swiftkv_fast.cli import _engine_kwargs, build_parser
+
+    assert (
+        _engine_kwargs(build_parser().parse_args(["serve", "--kv-cache-dtype", "bfloat16"]))["kv_cache_dtype"]
+        == "bfloat16"
+    )
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--kv-cache-dtype", "fp8"])
+
+
 def _broken_dirs(root: Path, ckpt: Path) -> dict[str, Path]:
     pickle_only = root / "pickle_only"
     pickle_only.mkdir()

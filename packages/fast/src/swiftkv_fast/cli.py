@@ -113,7 +113,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     e.add_argument(
         "--kv-cache-dtype",
-        default="auto",
+        default=default["kv_cache_dtype"],
         choices=list(KV_CACHE_DTYPES),
         help="what the KV cache holds: auto, the model's dtype; bfloat16 on a CPU fp32 model halves its "
         "memory (twice the tokens) and what decode attention reads, for K/V rounded to 8 significant bits",

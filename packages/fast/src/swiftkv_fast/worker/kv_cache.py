@@ -60,12 +60,13 @@ def log_kv_cache(
             tensor_parallel_size,
         )
     logger.info(
-        "KV cache: %d blocks of %d tokens (%.1f MiB), %d cache layers for %d model layers (%.0f%% of the "
+        "KV cache: %d blocks of %d tokens (%.1f MiB, %s), %d cache layers for %d model layers (%.0f%% of the "
         "full model's KV per token), %d physical KV slot(s) for %d kvcache group(s); maximum concurrency "
         "for %d-token requests: %.2fx",
         num_blocks,
         layout.block_size,
         layout.bytes_per_block * num_blocks / 2**20,
+        str(layout.dtype).removeprefix("torch."),
         config.num_cache_layers,
         config.num_hidden_layers,
         100 * config.num_cache_layers / config.num_hidden_layers,

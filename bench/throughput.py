@@ -36,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import engine, gemm_floor, hf_baseline, report, step_profile
+from bench import attention_floor, engine, gemm_floor, hf_baseline, report, step_profile
 from bench.harness import Sample, Stats, paired_ratio, run_interleaved
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
     # at matmul precision "high" the floor may multiply on AMX tiles (bf16x3): fp32 FMAs bound nothing
     fp32_only = engine.matmul_precision() == "highest"
     fma_peak = gemm_floor.fma_peak_gflops() if runners.floor_llms and fp32_only else None
+    read_gbps = attention_floor.read_gbps() if fma_peak else None
     tables, rows = [], []
     for name in mixes:
         prompts, output_len = mix_prompts(table_of[name], runners.vocab_size, args.seed)
@@ -140,6 +141,11 @@ def run(args: argparse.Namespace) -> int:
                     row["hardware_seconds"] = row["flops"] / fma_peak / 1e9
                     row["hardware_ceiling_vs_hf_generate"] = Stats.of(
                         [x.seconds / row["hardware_seconds"] for x in base]
+                    )
+                if "flops" in row and fma_peak:
+                    work = (runners.floor_llms[row["system"]], prompts, output_len)
+                    row["attention_floor"] = _attention_floor(
+                        samples[row["system"]], base, work, read_gbps, fma_peak
                     )
             for row, s in zip(mix_rows, cases):
                 row["output_tps_vs_hf_generate"] = paired_ratio(
@@ -234,6 +240,29 @@ def _systems(wanted: list[str], temperature: float = 0.0) -> _Systems:
     if unknown:
         raise SystemExit(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
     return _Systems(wanted, temperature)
+
+
+# the engine systems measured against each GEMM floor, and the KV cache's bytes per value they read
+FLOOR_OF = {
+    "fast-off": ("gemm-floor-off", "fp32"),
+    "fast-on": ("gemm-floor-on", "fp32"),
+    "fast-off-kv-bf16": ("gemm-floor-off", "bf16"),
+    "fast-on-kv-bf16": ("gemm-floor-on", "bf16"),
+}
+
+
+def _attention_floor(floor_samples, base, work, gbps: float, fma_peak: float) -> dict[str, Any]:
+    """The GEMM floor plus attention's irreducible work (bench/attention_floor.py) for `work` (llm,
+    prompts, output_len), with an fp32 and with a bf16 KV cache, each with its x hf-generate."""
+    gemm_seconds = statistics.median(x.seconds for x in floor_samples)
+    out: dict[str, Any] = {"read_gbps": gbps, "fma_peak_gflops": fma_peak}
+    for kv, element_bytes in (("fp32", 4), ("bf16", 2)):
+        floor = attention_floor.floor_seconds(
+            gemm_seconds, *work, element_bytes=element_bytes, gbps=gbps, fma_gflops=fma_peak
+        )
+        floor["vs_hf_generate"] = Stats.of([x.seconds / floor["seconds"] for x in base])
+        out[kv] = floor
+    return out
 
 
 def _case(fn, prompts, output_len):
@@ -379,7 +408,46 @@ def _table(
                 f"{r['hardware_ceiling_vs_hf_generate'].median:.2f}x hf-generate, the hardware's ceiling "
                 "for any fp32 engine computing these products."
             )
+    t.notes += _attention_floor_notes(rows)
     return t
+
+
+def _attention_floor_notes(rows: list[dict]) -> list[str]:
+    """One note per GEMM floor with attention's irreducible work added, and each engine system's share
+    of the floor it is measured against (its x hf-generate over the floor's)."""
+    by_system = {r["system"]: r for r in rows}
+    notes = []
+    for r in rows:
+        floors = r.get("attention_floor")
+        if not floors:
+            continue
+        parts = []
+        for kv in ("fp32", "bf16"):
+            f = floors[kv]
+            engines = [
+                e
+                for e, (floor, kind) in FLOOR_OF.items()
+                if floor == r["system"]
+                and kind == kv
+                and by_system.get(e, {}).get("output_tps_vs_hf_generate")
+            ]
+            floor_ratio = f["vs_hf_generate"].median
+            shares = ", ".join(
+                f"{e} at {100 * by_system[e]['output_tps_vs_hf_generate'].median / floor_ratio:.0f}%"
+                for e in engines
+            )
+            parts.append(
+                f"{kv} KV cache ({f['kv_read_bytes'] / 1e9:.1f} GB read): {f['seconds']:.1f} s, "
+                f"{f['vs_hf_generate'].median:.2f}x hf-generate" + (f" ({shares} of it)" if shares else "")
+            )
+        notes.append(
+            f"{r['system']} + attention's irreducible work (every decode step's K/V read once at "
+            f"{floors['read_gbps']:.0f} GB/s, a sequential sum's rate; causal prompt attention "
+            f"({floors['fp32']['prompt_attention_flops'] / 1e9:.0f} GFLOP) at the FMA peak): "
+            + "; ".join(parts)
+            + "."
+        )
+    return notes
 
 
 def _lat(row: dict, key: str) -> str:

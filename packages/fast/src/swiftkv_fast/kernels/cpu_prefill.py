@@ -1,6 +1,6 @@
 """Prompt attention on CPU over the paged KV cache as one compiled C kernel (fp32 queries over an fp32 or
-bf16 cache, whose keys the per-request copy below widens and whose values each use widens; the `torch`
-backend's prefill path for prompt rows).
+bf16 cache, whose keys and values the per-request copy below widens; the `torch` backend's prefill path
+for prompt rows).
 
 Request r's n_r queries sit at positions [s_r - n_r, s_r) (a fresh prompt, a chunk that continues one,
 or a SwiftKV early-exit batch) and see the positions <= their own, and with a window W only those
@@ -36,6 +36,11 @@ softmax on vectors) took 57-59 ms to 55-56; a register block of two row vectors 
 (16 registers), measured the same as the first version's (71-72 ms). Transposing only the queries, or
 only the keys into 16-key panels, or swapping the loops over keys and rows, each alone, measured the
 same as before (within 2%); so did 64- or 256-key chunks, and tiles of 16 or 48 positions were slower.
+
+A bf16 cache (kv_cache_dtype="bfloat16") is widened to fp32 once per request, values as well as keys
+(packed like the keys), and the tiles run the fp32 code: 16 prompts of 640 tokens, one layer,
+interleaved (2-core Intel Xeon): fp32 cache 37.8 ms, bf16 38.8 ms; widening each value where the P V
+product broadcasts it instead took 46.2 against 40.7 ms.
 
 The source is compiled at first use for each (head_dim, group) by kernels/cpu_compile.py (-O3
 -march=native, OpenMP where torch uses it). Without a compiler, or when no build loads, `kernel()`
@@ -132,7 +137,7 @@ static inline void qk_block(const float *qT, int64_t ldq, const float *keys, flo
 
 /* oT[d0 + dd][0..BLOCK_ROWS) (rows ldo apart) += sum over j < nk of pT[j][0..BLOCK_ROWS) (rows ldp
    apart) * vrow[j][d0 + dd], dd < DB */
-static inline void pv_block(const float *pT, int64_t ldp, const kv_t *const *vrow, int64_t nk, int64_t d0,
+static inline void pv_block(const float *pT, int64_t ldp, const float *const *vrow, int64_t nk, int64_t d0,
                             float *oT, int64_t ldo) {
     vec acc[DB][RV];
     for (int dd = 0; dd < DB; dd++)
@@ -140,11 +145,11 @@ static inline void pv_block(const float *pT, int64_t ldp, const kv_t *const *vro
     for (int64_t j = 0; j < nk; j++) {
         vec p[RV];
         for (int v = 0; v < RV; v++) p[v] = *(const vec *)(pT + j * ldp + v * VL);
-        const kv_t *vj = vrow[j] + d0;
+        const float *vj = vrow[j] + d0;
         __asm__("" : "+r"(vj));  /* one pointer, the DB values at immediate offsets (else gcc keeps DB
                                     offsets in registers and spills them) */
         for (int dd = 0; dd < DB; dd++) {
-            const float x = KV_TO_FLOAT(vj[dd]);
+            const float x = vj[dd];
             for (int v = 0; v < RV; v++) acc[dd][v] += x * p[v];
         }
     }
@@ -158,15 +163,16 @@ typedef struct {
     vec m[VECS], l[VECS];       /* running max and sum of each row */
     vint pos[VECS];             /* each row's position; -1 past the tile's rows */
     int64_t pmin[VECS], pmax[VECS];
-    const kv_t *vrow[KEY_CHUNK];
+    const float *vrow[KEY_CHUNK];
 } Scratch;
 
 /* Rows [t0, t0 + nt) of one request's queries (positions pos0 + t) and KV head h, a row per (position,
    query head of the group): keys its packed K (ldk, HEAD_DIM) from position k_first on, v its V (head
-   h's values of block 0, row 0). */
+   h's values of block 0, row 0) or, in a bf16 cache, values its V widened and packed as the keys are. */
 static void attend_tile(const float *q, int64_t q_stride, const float *keys, int64_t k_first, const kv_t *v,
-                        int64_t block_stride, const int32_t *bt, int64_t bs, int64_t row, int64_t pos0,
-                        int64_t nt, int64_t window, float scale, float *out, int64_t out_stride, Scratch *w) {
+                        const float *values, int64_t block_stride, const int32_t *bt, int64_t bs, int64_t row,
+                        int64_t pos0, int64_t nt, int64_t window, float scale, float *out, int64_t out_stride,
+                        Scratch *w) {
     const int64_t rows = nt * GROUP, rows_pad = (rows + BLOCK_ROWS - 1) / BLOCK_ROWS * BLOCK_ROWS;
     for (int64_t i = 0; i < rows_pad; i++) {
         if (i < rows) {
@@ -193,7 +199,11 @@ static void attend_tile(const float *q, int64_t q_stride, const float *keys, int
         const int64_t nk = hi - c0 < KEY_CHUNK ? hi - c0 : KEY_CHUNK;
         for (int64_t j = 0; j < nk; j++) {
             const int64_t p = c0 + j;
+#if KV_BF16
+            w->vrow[j] = values + (p - k_first) * HEAD_DIM;
+#else
             w->vrow[j] = v + (int64_t)bt[p / bs] * block_stride + (p % bs) * row;
+#endif
         }
         /* every block of KB keys reads a full block: the packed K has KB - 1 rows to spare past it */
         const float *kc = keys + (c0 - k_first) * HEAD_DIM;
@@ -286,7 +296,11 @@ int swiftkv_prefill_attention(const float *q, int64_t q_stride, const kv_t *k, c
         k_rows[r] = n > 0 ? s - k_first[r] + KB : 0;
         k_off[r + 1] = k_off[r] + kv_heads * HEAD_DIM * k_rows[r];
     }
-    float *packed = malloc(sizeof(float) * (k_off[num_reqs] > 0 ? k_off[num_reqs] : 1));
+    /* a bf16 cache's values are widened once per request too (packed_v, laid out as the keys): the P V
+       product then broadcasts fp32 values straight from memory, where widening each use cost 13% */
+    const int64_t packed_n = k_off[num_reqs] > 0 ? k_off[num_reqs] : 1;
+    float *packed = malloc(sizeof(float) * packed_n * (KV_BF16 ? 2 : 1));
+    float *packed_v = KV_BF16 ? packed + packed_n : NULL;
     if (packed == NULL) {
         free(k_first);
         free(first_item);
@@ -300,11 +314,13 @@ int swiftkv_prefill_attention(const float *q, int64_t q_stride, const kv_t *k, c
             const int32_t *bt = block_tables + r * bt_stride;
             for (int64_t h = 0; h < kv_heads; h++) {
                 float *dst = packed + k_off[r] + h * HEAD_DIM * k_rows[r];
+                float *dst_v = KV_BF16 ? packed_v + (dst - packed) : NULL;  /* only rows < seq_len are read */
                 for (int64_t j = 0; j < k_rows[r]; j++) {
                     const int64_t p = k_first[r] + j;
                     if (p < seq_lens[r]) {
                         const int64_t at = (int64_t)bt[p / bs] * block_stride + (p % bs) * row + h * HEAD_DIM;
                         swiftkv_kv_load(dst + j * HEAD_DIM, k + at, HEAD_DIM);
+                        if (KV_BF16) swiftkv_kv_load(dst_v + j * HEAD_DIM, v + at, HEAD_DIM);
                     } else {
                         memset(dst + j * HEAD_DIM, 0, sizeof(float) * HEAD_DIM);
                     }
@@ -326,8 +342,9 @@ int swiftkv_prefill_attention(const float *q, int64_t q_stride, const kv_t *k, c
             const int64_t t0 = (num_tiles - 1 - local / kv_heads) * QUERY_TILE;  /* most keys first */
             const int64_t nt = n - t0 < QUERY_TILE ? n - t0 : QUERY_TILE;
             const int64_t offset = ((int64_t)cu_q[r] + t0) * q_stride + h * GROUP * HEAD_DIM;
-            attend_tile(q + offset, q_stride, packed + k_off[r] + h * HEAD_DIM * k_rows[r], k_first[r],
-                        v + h * HEAD_DIM, block_stride, block_tables + r * bt_stride, bs, row,
+            const int64_t at = k_off[r] + h * HEAD_DIM * k_rows[r];
+            attend_tile(q + offset, q_stride, packed + at, k_first[r], v + h * HEAD_DIM,
+                        KV_BF16 ? packed_v + at : NULL, block_stride, block_tables + r * bt_stride, bs, row,
                         seq_lens[r] - n + t0, nt, window, scale,
                         out + ((int64_t)cu_q[r] + t0) * heads * HEAD_DIM + h * GROUP * HEAD_DIM,
                         heads * HEAD_DIM, w);

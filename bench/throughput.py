@@ -4,7 +4,10 @@ Systems: the fast engine with SwiftKV off (L = N) and on (L = N/2), transformers
 static batch, left padding) and `generate_batch` (its continuous batching, where installed), all
 fp32 with the embedded model's weights; and the GEMM floor of the engine's workload at L = N and
 L = N/2 (bench/gemm_floor.py: its linear layers alone): its "x hf-generate" is the highest speedup
-over transformers that any engine can reach on this machine's fp32 GEMM.
+over transformers that any engine can reach on this machine's fp32 GEMM. On request (`--systems`), the
+engine over a bf16 KV cache too (`fast-off-kv-bf16`, `fast-on-kv-bf16`: kv_cache_dtype="bfloat16"). With
+the floors, the table notes each floor plus attention's irreducible work (bench/attention_floor.py) and
+every engine system's share of it.
 Mixes (request count x prompt length -> output length):
 
   issue4          16 x 256 -> 64              the issue-4 scenario

@@ -154,9 +154,10 @@ def run(args: argparse.Namespace) -> int:
     n_layers = config.num_hidden_layers
     budget = args.cache_mib << 20
     tp = args.tensor_parallel_size
+    kv_dtype = args.kv_cache_dtype
+    kv_name = "bfloat16" if kv_dtype == "bfloat16" else "float32"  # auto: the model's fp32
     rows = []
     for L, G in splits(n_layers, args.quick):
-        kv_dtype = args.kv_cache_dtype
         row = measure(config, state, L, G, budget, args.request_len, kv_cache_dtype=kv_dtype)
         if tp > 1:  # the workers read their shards from the checkpoint directory
             row["tensor_parallel"] = measure(config, None, L, G, budget, args.request_len, tp, kv_dtype)
@@ -164,8 +165,8 @@ def run(args: argparse.Namespace) -> int:
     full = rows[0]
     per_rank = [] if tp == 1 else [f"TP={tp} bytes/token/rank", f"TP={tp} max concurrency"]
     table = report.Table(
-        f"KV memory, SmolLM2-135M-Instruct fp32 (N={n_layers}), KV cache "
-        f"{'bf16' if args.kv_cache_dtype == 'bfloat16' else 'fp32'}, {args.cache_mib} MiB cache (per rank), "
+        f"KV memory, SmolLM2-135M-Instruct fp32 (N={n_layers}), KV cache {kv_name}, {args.cache_mib} MiB "
+        "cache (per rank), "
         f"{args.request_len}-token requests",
         [
             "L",
@@ -208,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
         "num_hidden_layers": n_layers,
         "tensor_parallel_size": tp,
         "dtype": "float32",
-        "kv_cache_dtype": "bfloat16" if args.kv_cache_dtype == "bfloat16" else "float32",
+        "kv_cache_dtype": kv_name,
     }
     json_path = report.write_json(args.out, "memory", settings, rows)
     png_path = plot(rows, args.out)

@@ -137,17 +137,19 @@ static inline uint16_t swiftkv_float_to_bf16(float f) {
     if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
+/* n values of a float row rounded into bf16 (whatever KV_BF16 is: cpu_ops' write_kv picks at run time) */
+static inline void swiftkv_bf16_store(uint16_t *dst, const float *src, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = swiftkv_float_to_bf16(src[i]);
+}
 #if KV_BF16
 typedef uint16_t kv_t;
-#define KV_TO_FLOAT(x) swiftkv_bf16_to_float(x)
 #else
 typedef float kv_t;
-#define KV_TO_FLOAT(x) (x)
 #endif
 /* n values of a float row into the cache, and back */
 static inline void swiftkv_kv_store(kv_t *dst, const float *src, int64_t n) {
 #if KV_BF16
-    for (int64_t i = 0; i < n; i++) dst[i] = swiftkv_float_to_bf16(src[i]);
+    swiftkv_bf16_store(dst, src, n);
 #else
     memcpy(dst, src, sizeof(float) * n);
 #endif

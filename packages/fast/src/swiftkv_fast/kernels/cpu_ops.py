@@ -147,9 +147,9 @@ static int write_kv_rows(void *cache, int bf16, int64_t layer_stride, int64_t kv
             const int64_t at = l * layer_stride + slots[t] * row;
             const float *ks = k + t * k_ts + l * k_ls, *vs = v + t * v_ts + l * v_ls;
             if (bf16) {
-                uint16_t *kc = (uint16_t *)cache + at, *vc = kc + kv_stride;
-                for (int64_t i = 0; i < row; i++) kc[i] = swiftkv_float_to_bf16(ks[i]);
-                for (int64_t i = 0; i < row; i++) vc[i] = swiftkv_float_to_bf16(vs[i]);
+                uint16_t *kc = (uint16_t *)cache + at;
+                swiftkv_bf16_store(kc, ks, row);
+                swiftkv_bf16_store(kc + kv_stride, vs, row);
             } else {
                 float *kc = (float *)cache + at, *vc = kc + kv_stride;
                 memcpy(kc, ks, sizeof(float) * row);

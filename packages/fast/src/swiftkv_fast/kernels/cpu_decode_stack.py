@@ -52,9 +52,10 @@ SOURCE = (
 #include <string.h>
 
 struct stack_linear {
-    const float *packed;  /* the panel GEMM's layout of W (ceil(N / 16), K, 16) */
+    const void *packed;   /* the panel GEMM's layout of W: (ceil(N / 16), K, 16) fp32 or 4-bit blocks */
     const float *bias;    /* (N,) or NULL */
     int64_t N, K;
+    int64_t format;       /* PANEL_F32 or PANEL_Q4 */
 };
 
 struct stack_layer {
@@ -172,7 +173,7 @@ int swiftkv_decode_stack(const struct stack_step *st, const struct stack_layer *
         kv_t *k_cache = st->kv_cache + ly->kv_slot * st->slot_stride, *v_cache = k_cache + st->kv_stride;
         const int64_t nqkv = ly->qkv.N;
         gemm_pack_x(st->h, H, H, rows, PROLOGUE_RMS_NORM, l ? mlp : NULL, H, ly->input_norm, st->eps, xp);
-        gemm_run(xp, ly->qkv.packed, ly->qkv.bias, qkv, nqkv, H, rows);
+        gemm_run(xp, ly->qkv.packed, (int)ly->qkv.format, ly->qkv.bias, qkv, nqkv, H, rows);
         STACK_LAP(STACK_TIMED_LINEAR)
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
@@ -193,11 +194,12 @@ int swiftkv_decode_stack(const struct stack_step *st, const struct stack_layer *
                                ly->window, st->scale, num_threads, &failed);
         STACK_LAP(STACK_TIMED_ATTENTION)
         gemm_pack_x(attn, q_width, q_width, rows, PROLOGUE_NONE, NULL, 0, NULL, 0.f, xp);
-        gemm_run(xp, ly->o.packed, ly->o.bias, o, H, q_width, rows);
+        gemm_run(xp, ly->o.packed, (int)ly->o.format, ly->o.bias, o, H, q_width, rows);
         gemm_pack_x(st->h, H, H, rows, PROLOGUE_RMS_NORM, o, H, ly->post_norm, st->eps, xp);
-        gemm_run(xp, ly->gate_up.packed, ly->gate_up.bias, gu, ly->gate_up.N, H, rows);
+        gemm_run(xp, ly->gate_up.packed, (int)ly->gate_up.format, ly->gate_up.bias, gu, ly->gate_up.N, H,
+                 rows);
         gemm_pack_x(gu, ly->gate_up.N, ly->down.K, rows, PROLOGUE_SILU_MUL, NULL, 0, NULL, 0.f, xp);
-        gemm_run(xp, ly->down.packed, ly->down.bias, mlp, H, ly->down.K, rows);
+        gemm_run(xp, ly->down.packed, (int)ly->down.format, ly->down.bias, mlp, H, ly->down.K, rows);
         STACK_LAP(STACK_TIMED_LINEAR)
     }
     }
@@ -215,6 +217,7 @@ class StackLinear(ctypes.Structure):
         ("bias", ctypes.c_void_p),
         ("N", ctypes.c_int64),
         ("K", ctypes.c_int64),
+        ("format", ctypes.c_int64),
     ]
 
 

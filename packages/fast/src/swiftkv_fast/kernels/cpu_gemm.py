@@ -64,6 +64,7 @@ import torch
 
 from swiftkv_fast.kernels import cpu_compile
 from swiftkv_fast.kernels._common import dense_rows
+from swiftkv_fast.kernels.q4_blocks import q4_panels
 
 ENV_SWITCH = "SWIFTKV_CPU_GEMM_KERNEL"
 PANEL = 16  # output columns per panel
@@ -79,14 +80,35 @@ SOURCE = (
 #define IN_BLOCK 256  /* input features per pass: 16 KB of panel stays in L1 across the row blocks */
 #define PACK_CHUNK 64  /* input features per step of the packing of x: MR rows of it on the stack */
 
+/* A 4-bit panel holds a weight whose every run of Q4_BLOCK inputs of an output column is exactly
+   d q + m in fp32 for one (d, m) and codes q in [0, 16) (4-bit checkpoints such as GGUF's Q4_1 and the
+   embedded model, dequantized to fp32): per block of Q4_BLOCK inputs, d[16] and m[16] of the panel's
+   columns, then per pair of inputs 16 bytes, byte c holding column c's code of the first input in its
+   low nibble and of the second in its high one. 12 bytes per input and panel instead of 64, and the
+   same fp32 weights: d q is exact (checked when packing), so d q + m rounds once, FMA-contracted or not. */
+#define Q4_BLOCK 32
+#define Q4_BLOCK_BYTES (2 * 16 * 4 + 16 * Q4_BLOCK / 2)
+#define PANEL_F32 0
+#define PANEL_Q4 1
+#if defined(__x86_64__)
+#include <immintrin.h>
+/* An accumulator's value as it stands: the 4-bit micro kernels add the inputs of a pair one after the
+   other, as the fp32 ones do, where -fassociative-math had summed the pair first (other results, and
+   one more add per pair) */
+#define IN_ORDER(v) __asm__("" : "+v"(v))
+#else
+#define IN_ORDER(v) ((void)0)
+#endif
+
 #if defined(__AVX512F__) && !SWIFTKV_NO_AVX512
 /* 32 vector registers of 16 lanes: up to 16 rows x one panel in 16 accumulators, so a 16-row decode
    batch loads each weight vector once and uses it 16 times */
 #define MR 16
 typedef float vec __attribute__((vector_size(64), aligned(4)));
 #define MICRO(R)                                                                                  \
-static void micro##R(const float *x, const float *panel, int64_t K, float *y,                     \
+static void micro##R(const float *x, const void *panel_, int64_t K, float *y,                     \
                      int64_t ldy, int add, const char *pf, int64_t pf_step) {                     \
+    const float *panel = panel_;                                                                  \
     vec acc[R];                                                                                   \
     for (int r = 0; r < R; r++) acc[r] = add ? *(const vec *)(y + r * ldy) : (vec){0};             \
     for (int64_t k = 0; k < K; k++) {                                                             \
@@ -100,13 +122,43 @@ MICRO(1) MICRO(2) MICRO(3) MICRO(4) MICRO(5) MICRO(6) MICRO(7) MICRO(8)
 MICRO(9) MICRO(10) MICRO(11) MICRO(12) MICRO(13) MICRO(14) MICRO(15) MICRO(16)
 #define MICROS {micro1, micro2, micro3, micro4, micro5, micro6, micro7, micro8, \
                 micro9, micro10, micro11, micro12, micro13, micro14, micro15, micro16}
+/* The same over a 4-bit panel (see Q4_BLOCK_BYTES): per pair of inputs, 16 code bytes widened to
+   16 lanes (one vpmovzxbd from memory), the low and the high nibbles converted and scaled, d q + m,
+   to the fp32 weights themselves; then the same FMAs in the same order as micro##R. */
+#define MICRO_Q4(R)                                                                               \
+static void micro_q4_##R(const float *x, const void *panel, int64_t K, float *y,                  \
+                         int64_t ldy, int add, const char *pf, int64_t pf_step) {                 \
+    vec acc[R];                                                                                   \
+    for (int r = 0; r < R; r++) acc[r] = add ? *(const vec *)(y + r * ldy) : (vec){0};             \
+    const unsigned char *blk = panel;                                                             \
+    for (int64_t b = 0; b < K / Q4_BLOCK; b++, blk += Q4_BLOCK_BYTES) {                           \
+        const vec d = *(const vec *)blk, m = *(const vec *)(blk + 64);                            \
+        for (int j = 0; j < Q4_BLOCK / 2; j++) {                                                  \
+            __builtin_prefetch(pf + pf_step * (Q4_BLOCK / 2 * b + j), 0, 1);                      \
+            const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 128 + 16 * j))); \
+            const vec w0 = (vec)_mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(15))) * d + m; \
+            const vec w1 = (vec)_mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)) * d + m;             \
+            const float *xk = x + MR * (Q4_BLOCK * b + 2 * j);                                     \
+            for (int r = 0; r < R; r++) acc[r] += xk[r] * w0;                                     \
+            for (int r = 0; r < R; r++) IN_ORDER(acc[r]);                                         \
+            for (int r = 0; r < R; r++) acc[r] += xk[MR + r] * w1;                                \
+        }                                                                                         \
+    }                                                                                             \
+    for (int r = 0; r < R; r++) *(vec *)(y + r * ldy) = acc[r];                                   \
+}
+MICRO_Q4(1) MICRO_Q4(2) MICRO_Q4(3) MICRO_Q4(4) MICRO_Q4(5) MICRO_Q4(6) MICRO_Q4(7) MICRO_Q4(8)
+MICRO_Q4(9) MICRO_Q4(10) MICRO_Q4(11) MICRO_Q4(12) MICRO_Q4(13) MICRO_Q4(14) MICRO_Q4(15) MICRO_Q4(16)
+#define MICROS_Q4 {micro_q4_1, micro_q4_2, micro_q4_3, micro_q4_4, micro_q4_5, micro_q4_6, micro_q4_7,   \
+                   micro_q4_8, micro_q4_9, micro_q4_10, micro_q4_11, micro_q4_12, micro_q4_13,            \
+                   micro_q4_14, micro_q4_15, micro_q4_16}
 #else
 /* 16 vector registers of 8 lanes: up to 6 rows x one panel in 12 accumulators */
 #define MR 6
 typedef float vec __attribute__((vector_size(32), aligned(4)));
 #define MICRO(R)                                                                                  \
-static void micro##R(const float *x, const float *panel, int64_t K, float *y,                     \
+static void micro##R(const float *x, const void *panel_, int64_t K, float *y,                     \
                      int64_t ldy, int add, const char *pf, int64_t pf_step) {                     \
+    const float *panel = panel_;                                                                  \
     vec acc[R][2];                                                                                \
     for (int r = 0; r < R; r++) {                                                                 \
         acc[r][0] = add ? *(const vec *)(y + r * ldy) : (vec){0};                                 \
@@ -128,14 +180,70 @@ static void micro##R(const float *x, const float *panel, int64_t K, float *y,   
 }
 MICRO(1) MICRO(2) MICRO(3) MICRO(4) MICRO(5) MICRO(6)
 #define MICROS {micro1, micro2, micro3, micro4, micro5, micro6}
+/* w[i][h] = the weights of input i of a pair, columns [8 h, 8 h + 8) */
+#if defined(__AVX2__)
+static inline void q4_widen(const unsigned char *codes, vec d0, vec d1, vec m0, vec m1, vec w[2][2]) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)codes);
+    const __m256i c0 = _mm256_cvtepu8_epi32(raw), c1 = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(raw, raw));
+    const __m256i nibble = _mm256_set1_epi32(15);
+    w[0][0] = (vec)_mm256_cvtepi32_ps(_mm256_and_si256(c0, nibble)) * d0 + m0;
+    w[0][1] = (vec)_mm256_cvtepi32_ps(_mm256_and_si256(c1, nibble)) * d1 + m1;
+    w[1][0] = (vec)_mm256_cvtepi32_ps(_mm256_srli_epi32(c0, 4)) * d0 + m0;
+    w[1][1] = (vec)_mm256_cvtepi32_ps(_mm256_srli_epi32(c1, 4)) * d1 + m1;
+}
+#else
+static inline void q4_widen(const unsigned char *codes, vec d0, vec d1, vec m0, vec m1, vec w[2][2]) {
+    for (int c = 0; c < 8; c++) {
+        w[0][0][c] = (float)(codes[c] & 15) * d0[c] + m0[c];
+        w[0][1][c] = (float)(codes[c + 8] & 15) * d1[c] + m1[c];
+        w[1][0][c] = (float)(codes[c] >> 4) * d0[c] + m0[c];
+        w[1][1][c] = (float)(codes[c + 8] >> 4) * d1[c] + m1[c];
+    }
+}
+#endif
+/* The same over a 4-bit panel: a pair of inputs' 16 code bytes widened as two halves of 8 lanes */
+#define MICRO_Q4(R)                                                                               \
+static void micro_q4_##R(const float *x, const void *panel, int64_t K, float *y,                  \
+                         int64_t ldy, int add, const char *pf, int64_t pf_step) {                 \
+    vec acc[R][2];                                                                                \
+    for (int r = 0; r < R; r++) {                                                                 \
+        acc[r][0] = add ? *(const vec *)(y + r * ldy) : (vec){0};                                 \
+        acc[r][1] = add ? *(const vec *)(y + r * ldy + 8) : (vec){0};                             \
+    }                                                                                             \
+    const unsigned char *blk = panel;                                                             \
+    for (int64_t b = 0; b < K / Q4_BLOCK; b++, blk += Q4_BLOCK_BYTES) {                           \
+        const vec d0 = *(const vec *)blk, d1 = *(const vec *)(blk + 32);                          \
+        const vec m0 = *(const vec *)(blk + 64), m1 = *(const vec *)(blk + 96);                   \
+        for (int j = 0; j < Q4_BLOCK / 2; j++) {                                                  \
+            __builtin_prefetch(pf + pf_step * (Q4_BLOCK / 2 * b + j), 0, 1);                      \
+            vec w[2][2];                                                                          \
+            q4_widen(blk + 128 + 16 * j, d0, d1, m0, m1, w);                                      \
+            const float *xk = x + MR * (Q4_BLOCK * b + 2 * j);                                     \
+            for (int h = 0; h < 2; h++)                                                           \
+                for (int r = 0; r < R; r++) {                                                     \
+                    const float xv = xk[MR * h + r];                                              \
+                    acc[r][0] += xv * w[h][0];                                                    \
+                    acc[r][1] += xv * w[h][1];                                                    \
+                    IN_ORDER(acc[r][0]);                                                          \
+                    IN_ORDER(acc[r][1]);                                                          \
+                }                                                                                 \
+        }                                                                                         \
+    }                                                                                             \
+    for (int r = 0; r < R; r++) {                                                                 \
+        *(vec *)(y + r * ldy) = acc[r][0];                                                        \
+        *(vec *)(y + r * ldy + 8) = acc[r][1];                                                    \
+    }                                                                                             \
+}
+MICRO_Q4(1) MICRO_Q4(2) MICRO_Q4(3) MICRO_Q4(4) MICRO_Q4(5) MICRO_Q4(6)
+#define MICROS_Q4 {micro_q4_1, micro_q4_2, micro_q4_3, micro_q4_4, micro_q4_5, micro_q4_6}
 #endif
 #define GROUPS_PER_ITEM (96 / MR)  /* at most this many register blocks (about 96 rows of x) in an item,
                                       which keeps them in cache across its panel */
 
 /* y[R][16] (rows ldy apart) = x[R][K] (rows ldx apart) . panel[K][16], plus y's own values when `add`
    (the partial sums of the preceding K block); R <= MR */
-typedef void (*micro_fn)(const float *, const float *, int64_t, float *, int64_t, int, const char *, int64_t);
-static const micro_fn micro[MR] = MICROS;
+typedef void (*micro_fn)(const float *, const void *, int64_t, float *, int64_t, int, const char *, int64_t);
+static const micro_fn micro[MR] = MICROS, micro_q4[MR] = MICROS_Q4;
 
 int swiftkv_gemm_rows_per_block(void) { return MR; }
 
@@ -236,16 +344,20 @@ static inline int64_t gemm_items(struct gemm_rows rows, int64_t N) {
 }
 
 /* Inside a parallel region, after gemm_pack_x (a worksharing loop over the items): y (M, N)
-   contiguous = xp times the packed W^T, plus bias (N,) unless NULL. */
-static void gemm_run(const float *xp, const float *packed, const float *bias, float *y, int64_t N,
-                     int64_t K, struct gemm_rows rows) {
+   contiguous = xp times the packed W^T (`format` PANEL_F32 or PANEL_Q4), plus bias (N,) unless NULL. */
+static void gemm_run(const float *xp, const void *packed, int format, const float *bias, float *y,
+                     int64_t N, int64_t K, struct gemm_rows rows) {
     const int64_t panels = (N + 15) / 16, groups = rows.groups;
+    const int q4 = format == PANEL_Q4;
+    const micro_fn *run = q4 ? micro_q4 : micro;
+    /* bytes per input and panel; inputs per prefetch (the 4-bit micro kernels prefetch once a pair) */
+    const int64_t in_bytes = q4 ? Q4_BLOCK_BYTES / Q4_BLOCK : 64, pf_inputs = q4 ? 2 : 1;
     #pragma omp for schedule(static)
     for (int64_t item = 0; item < gemm_items(rows, N); item++) {
         const int64_t g0 = (item / panels) * rows.per_item, p = item % panels;
         const int64_t g1 = g0 + rows.per_item < groups ? g0 + rows.per_item : groups;
         const int64_t m0 = GROUP_START(g0), m1 = GROUP_START(g1), n0 = 16 * p;
-        const float *panel = packed + p * K * 16;
+        const char *panel = (const char *)packed + p * K * in_bytes;
         const int full = n0 + 16 <= N;
         float tmp[GROUPS_PER_ITEM * MR * 16];  /* a panel past N: its outputs before the copy */
         float *out = full ? y + m0 * N + n0 : tmp;
@@ -258,13 +370,13 @@ static void gemm_run(const float *xp, const float *packed, const float *bias, fl
                distance, so that the slices' prefetches tile the stream: prefetching the next kc rows
                instead skipped rows 64-255 of every panel after a 64-row last slice (K = 576). Past the
                last panel this points beyond the buffer: a prefetch is a hint that never faults. */
-            const int64_t step = (64 + (g1 - g0) - 1) / (g1 - g0);
-            const char *ahead = (const char *)(panel + 16 * (k0 + IN_BLOCK));
+            const int64_t step = (in_bytes * pf_inputs + (g1 - g0) - 1) / (g1 - g0);
+            const char *ahead = panel + in_bytes * (k0 + IN_BLOCK);
             for (int64_t g = g0; g < g1; g++) {
                 const int64_t m = GROUP_START(g);
-                micro[GROUP_START(g + 1) - m - 1](xp + g * K * MR + k0 * MR, panel + 16 * k0, kc,
-                                                  out + (m - m0) * ldo, ldo, k0 > 0,
-                                                  ahead + (g - g0) * step * kc, step);
+                run[GROUP_START(g + 1) - m - 1](xp + g * K * MR + k0 * MR, panel + in_bytes * k0, kc,
+                                                out + (m - m0) * ldo, ldo, k0 > 0,
+                                                ahead + (g - g0) * step * (kc / pf_inputs), step);
             }
         }
         const int64_t width = full ? 16 : N - n0;
@@ -281,16 +393,16 @@ static void gemm_run(const float *xp, const float *packed, const float *bias, fl
 /* y (M, N) contiguous = f(x) times the packed W^T, plus bias (N,) unless NULL; x's rows ldx apart,
    f the prologue (d's rows ldd apart). Returns 0, or 1 when the packed copy of x cannot be allocated
    (nothing written then: the prologue's in-place add runs after the allocation). */
-int swiftkv_gemm(float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t M,
-                 int64_t N, int64_t K, int num_threads, int prologue, const float *d, int64_t ldd,
-                 const float *norm_w, float eps) {
+int swiftkv_gemm(float *x, int64_t ldx, const void *packed, int format, const float *bias, float *y,
+                 int64_t M, int64_t N, int64_t K, int num_threads, int prologue, const float *d,
+                 int64_t ldd, const float *norm_w, float eps) {
     const struct gemm_rows rows = gemm_rows(M);
     float *xp = malloc(sizeof(float) * gemm_xp_floats(M, K));
     if (xp == NULL) return 1;
     #pragma omp parallel num_threads(num_threads) if (gemm_items(rows, N) > 1)
     {
         gemm_pack_x(x, ldx, K, rows, prologue, d, ldd, norm_w, eps, xp);
-        gemm_run(xp, packed, bias, y, N, K, rows);
+        gemm_run(xp, packed, format, bias, y, N, K, rows);
     }
     free(xp);
     return 0;
@@ -300,7 +412,8 @@ int swiftkv_gemm(float *x, int64_t ldx, const float *packed, const float *bias, 
 
 _PACK_ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
 _PACK_ARGTYPES += [ctypes.c_int]
-_GEMM_ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+_GEMM_ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+_GEMM_ARGTYPES += [ctypes.c_void_p]
 _GEMM_ARGTYPES += [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
 # the prologue: kind, d, ldd, norm_w, eps
 _GEMM_ARGTYPES += [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float]
@@ -321,9 +434,11 @@ def _functions(avx512: bool) -> dict[str, Callable] | None:
 class PanelWeight:
     """W (out, in) packed in 16-column panels for `linear`; `out_features` / `in_features` as W's.
     `avx512=False` builds the 8-lane register blocks even where the compiler targets AVX-512 (so tests
-    check both paths on an AVX-512 machine); `rows_per_block` says which one runs (16 or 6 rows)."""
+    check both paths on an AVX-512 machine); `rows_per_block` says which one runs (16 or 6 rows).
+    `compact`: where W is exactly a 4-bit block-quantized weight (kernels/q4_blocks.py), keep it in the
+    4-bit layout (`format` "q4"; the results are bit-identical to the fp32 layout's, `format` "fp32")."""
 
-    def __init__(self, weight: torch.Tensor, avx512: bool = True):
+    def __init__(self, weight: torch.Tensor, avx512: bool = True, compact: bool = True):
         functions = _functions(avx512)
         if functions is None:
             raise RuntimeError(
@@ -334,16 +449,21 @@ class PanelWeight:
         if weight.stride(1) != 1:
             weight = weight.contiguous()
         self.out_features, self.in_features = weight.shape
-        panels = -(-self.out_features // PANEL)
-        self.packed = torch.empty(panels, self.in_features, PANEL)  # (panels, in, 16)
-        functions["swiftkv_gemm_pack"](
-            weight.data_ptr(),
-            weight.stride(0),
-            self.out_features,
-            self.in_features,
-            self.packed.data_ptr(),
-            torch.get_num_threads(),
-        )
+        q4 = q4_panels(weight, PANEL) if compact else None
+        self.format = "fp32" if q4 is None else "q4"
+        if q4 is not None:
+            self.packed = q4  # (panels, in / 32, 384) bytes
+        else:
+            panels = -(-self.out_features // PANEL)
+            self.packed = torch.empty(panels, self.in_features, PANEL)  # (panels, in, 16)
+            functions["swiftkv_gemm_pack"](
+                weight.data_ptr(),
+                weight.stride(0),
+                self.out_features,
+                self.in_features,
+                self.packed.data_ptr(),
+                torch.get_num_threads(),
+            )
         self._gemm = functions["swiftkv_gemm"]
         self.rows_per_block = functions["swiftkv_gemm_rows_per_block"]()
 
@@ -396,6 +516,7 @@ class PanelWeight:
                 x.data_ptr(),
                 x.stride(0),
                 self.packed.data_ptr(),
+                FORMATS[self.format],
                 None if bias is None else bias.data_ptr(),
                 y.data_ptr(),
                 rows,
@@ -414,6 +535,7 @@ class PanelWeight:
 
 
 _NONE, _RMS_NORM, _SILU_MUL = 0, 1, 2  # the C kernel's PROLOGUE_* values
+FORMATS = {"fp32": 0, "q4": 1}  # the C kernel's PANEL_* values
 
 
 def _check_rows(name: str, t: torch.Tensor, width: int) -> None:

@@ -24,6 +24,7 @@ import torch
 from swiftkv_fast.kernels import cpu_compile, cpu_decode
 from swiftkv_fast.kernels import cpu_decode_stack as kernel_module
 from swiftkv_fast.kernels.cpu_decode_stack import StackGroup, StackLayer, StackLinear, StackStep
+from swiftkv_fast.kernels.cpu_gemm import FORMATS
 from swiftkv_fast.model.layers import Linear, RotaryTable
 
 
@@ -104,6 +105,7 @@ class DecodeStack:
             None if bias is None else bias.data_ptr(),
             lin.out_features,
             lin.in_features,
+            0 if panel is None else FORMATS[panel.format],
         )
 
     def _own(self, t: torch.Tensor) -> torch.Tensor:

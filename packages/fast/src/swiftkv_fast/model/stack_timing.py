@@ -56,14 +56,18 @@ HALVES = ("first", "second")
 
 def stack_key(stack: DecodeStack, half: str, cold: bool) -> str:
     """The cache key of one half's timings: what they depend on beyond the machine (the layers' shapes,
-    heads, the KV cache's dtype, the stack kernel's source)."""
+    their panel layouts' formats, heads, the KV cache's dtype, the stack kernel's source)."""
     lw = stack.layers[0]
     shapes = "/".join(f"{lin.out_features}x{lin.in_features}" for lin in layer_linears(lw))
     windows = ",".join(sorted({str(x.window or 0) for x in stack.layers}))
     source = hashlib.sha1(cpu_decode_stack.SOURCE.encode()).hexdigest()[:12]
     heads = f"{stack.num_heads}/{stack.num_kv_heads}x{stack.head_dim}"
+    panels = {
+        getattr(lin.layouts.get("panel"), "format", "-") for x in stack.layers for lin in layer_linears(x)
+    }
     return (
-        f"decode-stack {half} {len(stack.layers)} layers {shapes} heads {heads} windows {windows} "
+        f"decode-stack {half} {len(stack.layers)} layers {shapes} panels {','.join(sorted(panels))} "
+        f"heads {heads} windows {windows} "
         f"groups {stack.num_groups} kv {str(stack.kv_dtype).removeprefix('torch.')} src {source}"
         f"{' cold' if cold else ''}"
     )

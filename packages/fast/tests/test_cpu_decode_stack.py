@@ -8,9 +8,10 @@ import time
 
 import pytest
 import torch
-from conftest import TINY_MODELS, random_prompts
+from conftest import TINY_MODELS, q4_1_dequantized, random_prompts
 from swiftkv_fast import LLM, SamplingParams
-from swiftkv_fast.kernels import cpu_compile, cpu_decode_stack
+from swiftkv_fast.kernels import cpu_compile, cpu_decode_stack, cpu_gemm
+from swiftkv_fast.model.decode_stack import layer_linears
 
 pytestmark = pytest.mark.skipif(
     cpu_compile.compiler() is None or cpu_decode_stack.kernel(16, 2) is None,
@@ -73,6 +74,29 @@ def test_stack_equals_per_op_layers(tiny, name, threads, kv_cache_dtype):
     kv_fused = fused.llm_engine.runner.kv_cache
     assert kv_fused.dtype == (torch.bfloat16 if kv_cache_dtype == "bfloat16" else torch.float32)
     assert torch.equal(kv_per_op, kv_fused)
+
+
+@pytest.mark.parametrize("name", ["swiftkv_g1", "hybrid_swiftkv"])
+def test_stack_over_4_bit_panels_equals_fp32_panels(tiny, name, monkeypatch):
+    """Weights that are a dequantized 4-bit checkpoint's: the stack reads them as 4-bit panels and gives
+    the fp32 panels' logits and KV cache bit for bit (the per-op path too, on prompt steps)."""
+    cfg, state, _ = tiny(**TINY_MODELS[name])
+    state = {k: q4_1_dequantized(v) if k.endswith("proj.weight") else v for k, v in state.items()}
+    prompts = random_prompts(4, cfg.vocab_size, [3, 40, 9, 25], seed=5)
+    runs = {}
+    for four_bit in ("0", "1"):
+        monkeypatch.setenv(cpu_gemm.FOUR_BIT_SWITCH, four_bit)
+        llm = LLM.from_state_dict(cfg, state, **ENGINE)
+        model = llm.llm_engine.runner.model
+        formats = {lin.layouts["panel"].format for x in model.stacks[0].layers for lin in layer_linears(x)}
+        assert formats == {"fp32" if four_bit == "0" else "q4"}
+        runs[four_bit] = (llm.generate(prompts, GREEDY, use_tqdm=False), llm.llm_engine.runner.kv_cache)
+        assert all(s.calls > 0 for s in model.stacks if s.layers)
+    (full, kv_full), (compact, kv_compact) = runs["0"], runs["1"]
+    for e, a in zip(full, compact):
+        assert a.outputs[0].token_ids == e.outputs[0].token_ids
+        assert torch.equal(a.outputs[0].logits, e.outputs[0].logits)
+    assert torch.equal(kv_full, kv_compact)
 
 
 def test_stack_stays_off_where_a_linear_is_not_the_panel_gemm(tiny):

@@ -67,6 +67,7 @@ from swiftkv_fast.kernels._common import dense_rows
 from swiftkv_fast.kernels.q4_blocks import q4_panels
 
 ENV_SWITCH = "SWIFTKV_CPU_GEMM_KERNEL"
+FOUR_BIT_SWITCH = "SWIFTKV_CPU_GEMM_4BIT"  # "0": keep every panel in fp32 (for comparisons)
 PANEL = 16  # output columns per panel
 
 SOURCE = (
@@ -425,6 +426,10 @@ def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") != "0"
 
 
+def four_bit_enabled() -> bool:
+    return os.environ.get(FOUR_BIT_SWITCH, "1") != "0"
+
+
 def _functions(avx512: bool) -> dict[str, Callable] | None:
     if not enabled():
         return None
@@ -436,9 +441,10 @@ class PanelWeight:
     `avx512=False` builds the 8-lane register blocks even where the compiler targets AVX-512 (so tests
     check both paths on an AVX-512 machine); `rows_per_block` says which one runs (16 or 6 rows).
     `compact`: where W is exactly a 4-bit block-quantized weight (kernels/q4_blocks.py), keep it in the
-    4-bit layout (`format` "q4"; the results are bit-identical to the fp32 layout's, `format` "fp32")."""
+    4-bit layout (`format` "q4"; the results are bit-identical to the fp32 layout's, `format` "fp32");
+    None: unless SWIFTKV_CPU_GEMM_4BIT=0."""
 
-    def __init__(self, weight: torch.Tensor, avx512: bool = True, compact: bool = True):
+    def __init__(self, weight: torch.Tensor, avx512: bool = True, compact: bool | None = None):
         functions = _functions(avx512)
         if functions is None:
             raise RuntimeError(
@@ -449,6 +455,8 @@ class PanelWeight:
         if weight.stride(1) != 1:
             weight = weight.contiguous()
         self.out_features, self.in_features = weight.shape
+        if compact is None:
+            compact = four_bit_enabled()
         q4 = q4_panels(weight, PANEL) if compact else None
         self.format = "fp32" if q4 is None else "q4"
         if q4 is not None:

@@ -12,6 +12,10 @@ Five ways to compute y = x W^T + b for a checkpoint weight W (out_features, in_f
     bf16x3   our compiled C kernel on Intel AMX tiles, W split into bf16 hi + lo (kernels/cpu_amx.py):
              PyTorch's "high" float32 matmul precision, so a candidate only when the engine is allowed
              it (EngineConfig.matmul_precision = "high"); about 2x MKL's sgemm at thousands of rows
+    q4-amx   our compiled C kernel on Intel AMX tiles for a weight that is exactly 4-bit blocks (a
+             dequantized 4-bit checkpoint, kernels/q4_blocks.py): exact bf16 products of the codes and
+             x split in three, fp32 sums (kernels/cpu_amx_q4.py), so at "highest" too; a candidate
+             only for such weights; 1.2-2.2x MKL's sgemm at 256-4,096 rows on a 2-core Xeon
 
 Which one is fastest depends on the GEMM library, the CPU and the row count (one layout was 2.3x
 faster than the other on one x86 machine and slower on another), so `LinearKernelChooser` times
@@ -51,6 +55,7 @@ import torch.nn.functional as F
 
 from swiftkv_fast.kernels import cpu_amx, cpu_gemm
 from swiftkv_fast.kernels.cpu_amx import MATMUL_PRECISIONS, Bf16x3Weight
+from swiftkv_fast.kernels.cpu_amx_q4 import NoFourBitForm, Q4AmxWeight
 from swiftkv_fast.kernels.cpu_gemm import PanelWeight
 from swiftkv_fast.kernels.q4_blocks import q4_blocks
 from swiftkv_fast.logger import init_logger
@@ -78,6 +83,7 @@ class LinearKernel:
     pack: Callable[[torch.Tensor], torch.Tensor]  # W (out, in) -> the kernel's layout of it
     run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]  # (x, layout, bias)
     precision: str = "highest"  # the most precise matmul precision level that permits this kernel
+    four_bit_only: bool = False  # runs only weights that are exactly 4-bit blocks (kernels/q4_blocks.py)
 
     def permitted(self, precision: str) -> bool:
         """The kernel may run under the matmul precision level `precision` (MATMUL_PRECISIONS)."""
@@ -102,12 +108,13 @@ KERNELS = {
     "mkldnn": LinearKernel("mkldnn", _mkldnn_pack, _mkldnn),
     "panel": LinearKernel("panel", PanelWeight, lambda x, w, bias: w.linear(x, bias)),
     "bf16x3": LinearKernel("bf16x3", Bf16x3Weight, lambda x, w, bias: w.linear(x, bias), precision="high"),
+    "q4-amx": LinearKernel("q4-amx", Q4AmxWeight, lambda x, w, bias: w.linear(x, bias), four_bit_only=True),
 }
 
 
 def nbytes(t: torch.Tensor | PanelWeight) -> int:
     """Bytes a weight layout holds (a oneDNN tensor's own size, padding included)."""
-    if isinstance(t, (PanelWeight, Bf16x3Weight)):
+    if isinstance(t, (PanelWeight, Bf16x3Weight, Q4AmxWeight)):
         return t.nbytes
     if t.is_mkldnn:
         return int(torch.ops.mkldnn._nbytes(t))
@@ -355,14 +362,15 @@ class LinearKernelChooser:
         if not self.on_cpu:
             return KernelChoice.single("linear", weight)
         layouts: dict[str, torch.Tensor] = {}
-        key = self._shape_key(weight)
+        four_bit = self._four_bit(weight)
+        key = self._shape_key(weight, four_bit)
         if self.kernel != "auto":
             kernel = self.kernel if self._pack(self.kernel, weight, layouts) else FALLBACK
             plan: tuple[tuple[int, str], ...] = ((sys.maxsize, kernel),)
         else:
             buckets = [b for b in self.row_buckets if b < max_rows]
             buckets.append(next((b for b in self.row_buckets if b >= max_rows), max_rows))
-            times = self._times(key, weight, bias, buckets, layouts)
+            times = self._times(key, four_bit, weight, bias, buckets, layouts)
             plan = merge_runs(plan_kernels(times, frozenset({"linear"}) if shared else frozenset()))
         kept = {k for _, k in plan}
         for k in kept - set(layouts):  # chosen from cached timings: packed here
@@ -394,6 +402,8 @@ class LinearKernelChooser:
             layout = KERNELS[kernel].pack(weight)
             with torch.inference_mode():
                 KERNELS[kernel].run(weight.new_zeros(1, weight.shape[1]), layout, None)
+        except NoFourBitForm:  # this weight only (a forced q4-amx: the others may have the form)
+            return False
         except Exception as e:  # a private op: missing in this torch, or unsupported here
             if kernel == FALLBACK:
                 raise
@@ -405,12 +415,20 @@ class LinearKernelChooser:
         layouts[kernel] = layout
         return True
 
-    def _times(self, shape: str, weight, bias, buckets: list[int], layouts) -> dict[int, dict[str, float]]:
+    def _times(
+        self, shape: str, four_bit: bool, weight, bias, buckets: list[int], layouts
+    ) -> dict[int, dict[str, float]]:
         """{rows: {kernel: best seconds}} for every bucket, measuring the ones the cache lacks. A case
         (one bucket, every kernel) timed while the threads waited for a core (another process busy) is
         timed again, up to MAX_TRIES in all; the least disturbed try is used, and the shape is not
         cached if that one was disturbed too."""
-        names = [k for k, kern in KERNELS.items() if k not in self.failed and kern.permitted(self.precision)]
+        names = [
+            k
+            for k, kern in KERNELS.items()
+            if k not in self.failed
+            and kern.permitted(self.precision)
+            and (four_bit or not kern.four_bit_only)
+        ]
         known = self.times.setdefault(shape, {})
         missing = [b for b in buckets if not set(names) <= set(known.get(b, {}))]
         if missing:
@@ -495,11 +513,15 @@ class LinearKernelChooser:
             spare,
         )
 
-    def _shape_key(self, weight: torch.Tensor) -> str:
-        """The cache key of a weight's timings: dtype, shape, whether it has the panel GEMM's 4-bit form
-        (kernels/q4_blocks.py: the panel GEMM then reads 5.3x fewer bytes), cold."""
-        if not self.on_cpu or self.kernel != "auto":
-            return ""
-        q4 = " q4" if weight.dtype == torch.float32 and q4_blocks(weight) is not None else ""
+    def _four_bit(self, weight: torch.Tensor) -> bool:
+        """W is exactly 4-bit blocks (kernels/q4_blocks.py) and the 4-bit layouts are on: the panel GEMM
+        reads 5.3x fewer bytes, and q4-amx is a candidate."""
+        if self.kernel != "auto" or weight.dtype != torch.float32 or not cpu_gemm.four_bit_enabled():
+            return False
+        return q4_blocks(weight) is not None
+
+    def _shape_key(self, weight: torch.Tensor, four_bit: bool) -> str:
+        """The cache key of a weight's timings: dtype, shape, the 4-bit form, cold."""
+        q4 = " q4" if four_bit else ""
         cold = " cold" if self.cold else ""
         return f"{str(weight.dtype).removeprefix('torch.')} {weight.shape[0]}x{weight.shape[1]}{q4}{cold}"

@@ -1,0 +1,190 @@
+"""Weights that are exactly 4-bit blocks (kernels/q4_blocks.py): found only where every value is d q + m
+per block of 32 inputs; the panel GEMM's 4-bit layout then gives the fp32 layout's results bit for bit
+(both register-block widths, the fused prologues, a bias), and the AMX kernel for them (q4-amx) is an
+fp32 product, a chooser candidate for such weights only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import q4_1_dequantized
+from swiftkv_fast import LLM, SamplingParams
+from swiftkv_fast.kernels import cpu_amx, cpu_compile, cpu_gemm
+from swiftkv_fast.kernels.cpu_amx_q4 import NoFourBitForm, Q4AmxWeight
+from swiftkv_fast.kernels.q4_blocks import Q4_BLOCK, q4_blocks, q4_panels
+from swiftkv_fast.model import linear_kernels as lk
+from swiftkv_reference.testing import fp32_atol, random_state_dict, tiny_config
+
+
+def q4_1(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return q4_1_dequantized(0.05 * torch.randn(out_features, in_features, generator=g))
+
+
+def test_finds_the_blocks_of_a_dequantized_q4_1_weight():
+    w = q4_1(40, 96)
+    d, m, q = q4_blocks(w)
+    assert d.shape == m.shape == (40, 3) and q.shape == (40, 96) and q.dtype == torch.uint8
+    assert int(q.max()) <= 15
+    rebuilt = d.repeat_interleave(Q4_BLOCK, 1) * q.float() + m.repeat_interleave(Q4_BLOCK, 1)
+    assert torch.equal(rebuilt, w)
+    assert torch.equal(d, d.half().float())  # the fp16 scales it was written with
+
+
+def test_an_fp32_scale_is_found_where_fp16_cannot_hold_it():
+    d = torch.full((2, 1, 1), 1.5 * 2.0**-30)  # below fp16's range, exact products with 4-bit codes
+    q = torch.arange(Q4_BLOCK).remainder(16).float().expand(2, 1, Q4_BLOCK)
+    w = (d * q + 2.0**-27).reshape(2, Q4_BLOCK)
+    found = q4_blocks(w)
+    assert found is not None
+    assert torch.equal(found[0], d.reshape(2, 1))
+
+
+@pytest.mark.parametrize(
+    "why",
+    ["random fp32", "one value off by an ulp", "a NaN", "an infinity", "inputs not a multiple of 32", "bf16"],
+)
+def test_no_4_bit_form_is_claimed_where_the_weight_has_none(why):
+    w = q4_1(16, 64)
+    if why == "random fp32":
+        w = torch.randn(16, 64)
+    elif why == "one value off by an ulp":
+        w[3, 17] = torch.nextafter(w[3, 17], torch.tensor(1.0))
+    elif why == "a NaN":
+        w[0, 0] = float("nan")
+    elif why == "an infinity":
+        w[5, 40] = float("inf")
+    elif why == "inputs not a multiple of 32":
+        w = q4_1(16, 64)[:, :48]
+    else:
+        w = w.to(torch.bfloat16)
+    assert q4_blocks(w) is None
+    assert q4_panels(w) is None
+
+
+def test_the_worked_example_of_the_docstring():
+    """[0.5, 0.75, 0.5, 1.25] (padded to a block with 0.5): no fp16 scale rebuilds it, and the fp32
+    scale 0.05 rebuilds it only through an inexact product, so no 4-bit form."""
+    row = torch.full((1, Q4_BLOCK), 0.5)
+    row[0, 1], row[0, 3] = 0.75, 1.25
+    half = torch.tensor(0.05).half().float()
+    assert half * 15 + 0.5 != 1.25
+    f = torch.tensor(0.05)
+    assert f * 5 + 0.5 == 0.75 and f.double() * 15 != (f * 15).double()
+    assert q4_blocks(row) is None
+
+
+pytestmark_kernel = pytest.mark.skipif(
+    cpu_compile.compiler() is None, reason="no C compiler here (the panel GEMM is a compiled kernel)"
+)
+
+
+@pytestmark_kernel
+@pytest.mark.parametrize("out_features, in_features", [(16, 32), (40, 96), (7, 64), (200, 576), (33, 1536)])
+@pytest.mark.parametrize("avx512", [True, False])
+def test_4_bit_panels_give_the_fp32_panels_results_bit_for_bit(out_features, in_features, avx512):
+    w = q4_1(out_features, in_features, seed=out_features)
+    compact = cpu_gemm.PanelWeight(w, avx512=avx512)
+    full = cpu_gemm.PanelWeight(w, avx512=avx512, compact=False)
+    assert (compact.format, full.format) == ("q4", "fp32")
+    panels = -(-out_features // 16)
+    assert compact.nbytes == panels * in_features * 12 and full.nbytes == panels * in_features * 64
+    bias = torch.randn(out_features)
+    for rows in (1, 5, 6, 7, 16, 17, 40, 300):
+        x = torch.randn(rows, in_features)
+        assert torch.equal(compact.linear(x), full.linear(x))
+        assert torch.equal(compact.linear(x, bias), full.linear(x, bias))
+        torch.testing.assert_close(compact.linear(x), x @ w.T, atol=1e-4, rtol=1e-5)
+
+
+@pytestmark_kernel
+@pytest.mark.parametrize("avx512", [True, False])
+def test_4_bit_panels_with_the_fused_prologues(avx512):
+    w = q4_1(48, 64, seed=3)
+    compact = cpu_gemm.PanelWeight(w, avx512=avx512)
+    full = cpu_gemm.PanelWeight(w, avx512=avx512, compact=False)
+    norm_weight = 1 + 0.1 * torch.randn(64)
+    for rows in (1, 16, 33):
+        h, delta = torch.randn(rows, 64), torch.randn(rows, 64)
+        h2 = h.clone()
+        a = compact.linear_after_norm(h, delta, norm_weight, 1e-5)
+        b = full.linear_after_norm(h2, delta, norm_weight, 1e-5)
+        assert torch.equal(a, b) and torch.equal(h, h2)
+        gate_up = torch.randn(rows, 128)
+        mlp = cpu_gemm.PanelWeight(q4_1(16, 64, seed=4), avx512=avx512)
+        mlp_full = cpu_gemm.PanelWeight(q4_1(16, 64, seed=4), avx512=avx512, compact=False)
+        assert torch.equal(
+            mlp.linear_after_silu_and_mul(gate_up), mlp_full.linear_after_silu_and_mul(gate_up)
+        )
+
+
+def test_the_switch_keeps_fp32_panels_and_the_timings_apart(monkeypatch, tmp_path):
+    w = q4_1(32, 64)
+    chooser = lk.LinearKernelChooser("auto", "cpu", (1, 16), cache_dir=tmp_path)
+    assert chooser._four_bit(w) and not chooser._four_bit(torch.randn(32, 64))
+    assert chooser._shape_key(w, True) == "float32 32x64 q4"
+    assert chooser._shape_key(w, False) == "float32 32x64"
+    monkeypatch.setenv(cpu_gemm.FOUR_BIT_SWITCH, "0")
+    assert not chooser._four_bit(w)
+    if cpu_compile.compiler() is not None:
+        assert cpu_gemm.PanelWeight(w).format == "fp32"
+
+
+def test_q4_amx_is_a_candidate_for_four_bit_weights_only(monkeypatch):
+    """Chosen by measurement where it applies; a weight without the form neither offers it nor marks it
+    failed for the others (a stand-in kernel, so this runs on any CPU)."""
+
+    def pack(w):
+        if q4_blocks(w) is None:
+            raise NoFourBitForm("no form")
+        return w
+
+    monkeypatch.setitem(lk.KERNELS, "q4-amx", lk.LinearKernel("q4-amx", pack, F.linear, four_bit_only=True))
+    timer = lambda kernel, rows, call: (call(), 1e-4 if kernel == "q4-amx" else 1e-3)[1]  # noqa: E731
+    chooser = lk.LinearKernelChooser("auto", "cpu", (1, 16, 64), timer=timer)
+    plain = chooser.choose("plain", torch.randn(48, 64), None, 64)
+    assert "q4-amx" not in {k for _, k in plain.plan} and "q4-amx" not in chooser.failed
+    four_bit = chooser.choose("four_bit", q4_1(48, 64), None, 64)
+    assert {k for _, k in four_bit.plan} == {"q4-amx"}
+    forced = lk.LinearKernelChooser("q4-amx", "cpu", (1, 16))
+    assert forced.choose("plain", torch.randn(48, 64), None, 16).plan[0][1] == lk.FALLBACK
+    assert forced.choose("four_bit", q4_1(48, 64), None, 16).plan[0][1] == "q4-amx"
+
+
+amx = pytest.mark.skipif(cpu_amx.unavailable_reason() is not None, reason="no AMX here")
+
+
+@amx
+@pytest.mark.parametrize("out_features, in_features", [(40, 64), (960, 576), (576, 1536)])
+def test_q4_amx_is_an_fp32_product(out_features, in_features):
+    """Every product exact, fp32 sums: as close to the fp64 product as F.linear, bias included."""
+    w = q4_1(out_features, in_features, seed=in_features)
+    layout = Q4AmxWeight(w)
+    assert layout.nbytes == -(-out_features // 32) * 32 * in_features * 9 // 4
+    g = torch.Generator().manual_seed(1)
+    bias = torch.randn(out_features, generator=g)
+    for rows in (1, 17, 33, 300):
+        x = torch.randn(rows, in_features, generator=g)
+        want = (x.double() @ w.double().T + bias.double()).float()
+        torch.testing.assert_close(layout.linear(x, bias), want, rtol=0, atol=fp32_atol(want))
+    with pytest.raises(NoFourBitForm):
+        Q4AmxWeight(torch.randn(32, 64))
+
+
+@amx
+def test_q4_amx_engine_gives_the_f_linear_engines_tokens():
+    config = tiny_config(num_hidden_layers=3)
+    state = random_state_dict(config)
+    state = {k: q4_1_dequantized(v) if k.endswith("proj.weight") else v for k, v in state.items()}
+    prompts = [[5, 6, 7, 8, 9] * 3, [11, 12, 13]]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    got = {}
+    for kernel in ("linear", "q4-amx"):
+        llm = LLM.from_state_dict(
+            config, state, linear_kernel=kernel, num_key_value_layers=2, max_model_len=64
+        )
+        got[kernel] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        w = llm.llm_engine.runner.model.w
+        assert w.lm_head.plan[0][1] == "linear"  # the random embedding has no 4-bit form
+    assert got["q4-amx"] == got["linear"]

@@ -5,9 +5,11 @@ static batch, left padding) and `generate_batch` (its continuous batching, where
 fp32 with the embedded model's weights; and the GEMM floor of the engine's workload at L = N and
 L = N/2 (bench/gemm_floor.py: its linear layers alone): its "x hf-generate" is the highest speedup
 over transformers that any engine can reach on this machine's fp32 GEMM. On request (`--systems`), the
-engine over a bf16 KV cache too (`fast-off-kv-bf16`, `fast-on-kv-bf16`: kv_cache_dtype="bfloat16"). With
-the floors, the table notes each floor plus attention's irreducible work (bench/attention_floor.py) and
-every engine system's share of it.
+engine over a bf16 KV cache too (`fast-off-kv-bf16`, `fast-on-kv-bf16`: kv_cache_dtype="bfloat16"), and
+the engine with every weight kept in fp32 (`fast-off-fp32-weights`, `fast-on-fp32-weights`: built with
+SWIFTKV_CPU_GEMM_4BIT=0, so 4-bit weights get neither 4-bit panels nor q4-amx). With the floors, the
+table notes each floor plus attention's irreducible work (bench/attention_floor.py) and every engine
+system's share of it.
 Mixes (request count x prompt length -> output length):
 
   issue4          16 x 256 -> 64              the issue-4 scenario
@@ -31,7 +33,9 @@ of a step's time in each (every step, and decode steps alone) in a table and in 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import random
 import statistics
 import time
@@ -66,7 +70,9 @@ DEFAULT_SYSTEMS = [
 ]
 # the engine over a bf16 KV cache (kv_cache_dtype="bfloat16"): half the bytes decode attention reads
 KV_BF16_SYSTEMS = {"fast-off-kv-bf16": "fast-off", "fast-on-kv-bf16": "fast-on"}
-SYSTEMS = [*DEFAULT_SYSTEMS, *KV_BF16_SYSTEMS]
+# the engine with its weights in fp32 layouts only (SWIFTKV_CPU_GEMM_4BIT=0): the 4-bit layouts' gain
+FP32_WEIGHTS_SYSTEMS = {"fast-off-fp32-weights": "fast-off", "fast-on-fp32-weights": "fast-on"}
+SYSTEMS = [*DEFAULT_SYSTEMS, *KV_BF16_SYSTEMS, *FP32_WEIGHTS_SYSTEMS]
 BASELINE = "hf-generate"
 
 
@@ -119,6 +125,9 @@ def run(args: argparse.Namespace) -> int:
     # at matmul precision "high" the floor may multiply on AMX tiles (bf16x3): fp32 FMAs bound nothing
     fp32_only = engine.matmul_precision() == "highest"
     fma_peak = gemm_floor.fma_peak_gflops() if runners.floor_llms and fp32_only else None
+    # nor do they where a linear of 4-bit blocks multiplies on AMX tiles (q4-amx, exact products)
+    plans = engine.linear_kernels()["linear_kernels"].values()
+    fma_bounds_gemms = not any("q4-amx" in plan for plan in plans)
     read_gbps = attention_floor.read_gbps() if fma_peak else None
     tables, rows = [], []
     for name in mixes:
@@ -139,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         if BASELINE in samples:
             base = samples[BASELINE]
             for row in mix_rows:
-                if "flops" in row and fma_peak:
+                if "flops" in row and fma_peak and fma_bounds_gemms:
                     # the floor's products at the FMA peak: no fp32 engine can finish sooner here
                     row["hardware_seconds"] = row["flops"] / fma_peak / 1e9
                     row["hardware_ceiling_vs_hf_generate"] = Stats.of(
@@ -215,6 +224,12 @@ class _Systems:
             llm = engine.build_llm(layers, kv_cache_dtype="bfloat16")
             self.fns[name] = lambda p, n, llm=llm: engine.run_batch(llm, p, n, temperature=temperature)
             self.llms[name] = llm
+        for name in set(FP32_WEIGHTS_SYSTEMS) & set(wanted):
+            layers = self.on_layers if FP32_WEIGHTS_SYSTEMS[name] == "fast-on" else None
+            with _env(cpu_gemm_four_bit="0"):
+                llm = engine.build_llm(layers)
+            self.fns[name] = lambda p, n, llm=llm: engine.run_batch(llm, p, n, temperature=temperature)
+            self.llms[name] = llm
         if {"hf-generate", "hf-generate-batch"} & set(wanted):
             from swiftkv_reference.default_model import default_model_dir
 
@@ -236,6 +251,21 @@ class _Systems:
 
     def get(self, name: str) -> Callable:
         return self.fns[name]
+
+
+@contextlib.contextmanager
+def _env(cpu_gemm_four_bit: str):
+    """SWIFTKV_CPU_GEMM_4BIT set while an engine is built (its layouts are chosen then)."""
+    name = "SWIFTKV_CPU_GEMM_4BIT"
+    before = os.environ.get(name)
+    os.environ[name] = cpu_gemm_four_bit
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name)
+        else:
+            os.environ[name] = before
 
 
 def _systems(wanted: list[str], temperature: float = 0.0) -> _Systems:
@@ -383,6 +413,11 @@ def _table(
         "fast-on: SwiftKV converted on the fly (no distillation): speed, not quality. "
         "x hf-generate: output tok/s ratio, round by round."
     )
+    if any(r["system"] in FP32_WEIGHTS_SYSTEMS for r in rows):
+        t.notes.append(
+            "*-fp32-weights: the same engine with every weight in fp32 layouts (SWIFTKV_CPU_GEMM_4BIT=0): "
+            "no 4-bit panels, no q4-amx; the same fp32 numbers."
+        )
     if any(r["system"] in KV_BF16_SYSTEMS for r in rows):
         t.notes.append(
             "*-kv-bf16: the same engine with kv_cache_dtype='bfloat16' (K/V rounded to bf16, read back as "

@@ -188,6 +188,8 @@ class Case:
             f"model:    {self.model}: swiftkv_reference.testing.tiny_config(**{over})",
             f"weights:  swiftkv_reference.testing.random_state_dict(config, seed={self.seed})",
         ]
+        if self.impl.weights == "four-bit":
+            lines[-1] = f"weights:  swiftkv_reference.testing.four_bit_state_dict({lines[-1][10:]})"
         if self.engine is not None:
             lines.append(f"engine:   {self.engine}, submitted as waves={self.waves!r}")
         lines.append(f"sampling: {sampling if sampling is not None else self.sampling}")
@@ -217,12 +219,23 @@ class Workbench:
         self.max_runners = max_runners
 
     def model(self, name: str) -> tuple[Any, dict[str, torch.Tensor]]:
+        """A model case's config and weights; "NAME@four-bit": its linear weights at 4-bit values."""
         if name not in self._models:
-            from swiftkv_reference.testing import random_state_dict
+            from swiftkv_reference.testing import four_bit_state_dict, random_state_dict
 
-            config = build_config(model_overrides(name))
-            self._models[name] = (config, random_state_dict(config, seed=WEIGHT_SEED))
+            base, _, weights = name.partition("@")
+            config = build_config(model_overrides(base))
+            state = random_state_dict(config, seed=WEIGHT_SEED)
+            if weights == "four-bit":
+                state = four_bit_state_dict(state)
+            elif weights:
+                raise ValueError(f"unknown weights {weights!r} in model case {name!r}")
+            self._models[name] = (config, state)
         return self._models[name]
+
+    def on(self, weights: str) -> Workbench | WeightsView:
+        """This bench as an implementation with `weights` ("random", "four-bit") sees it."""
+        return self if weights == "random" else WeightsView(self, weights)
 
     def reference_model(self, name: str) -> torch.nn.Module:
         if name not in self._ref_models:
@@ -284,3 +297,29 @@ def config_summary(config: Any) -> str:
     if dataclasses.is_dataclass(config):
         return repr(config)
     return str(config)
+
+
+class WeightsView:
+    """A Workbench whose model cases carry other weights ("NAME@four-bit"), the oracle's outputs and
+    engines included; tests pass the plain model names."""
+
+    def __init__(self, bench: Workbench, weights: str):
+        self._bench, self._suffix = bench, f"@{weights}"
+
+    def model(self, name: str):
+        return self._bench.model(name + self._suffix)
+
+    def reference_model(self, name: str):
+        return self._bench.reference_model(name + self._suffix)
+
+    def expected(self, name: str, prompts, sampling):
+        return self._bench.expected(name + self._suffix, prompts, sampling)
+
+    def baseline(self, impl, name: str, prompts, sampling):
+        return self._bench.baseline(impl, name + self._suffix, prompts, sampling)
+
+    def runner(self, impl, name: str, engine):
+        return self._bench.runner(impl, name + self._suffix, engine)
+
+    def fresh_runner(self, impl, name: str, engine):
+        return self._bench.fresh_runner(impl, name + self._suffix, engine)

@@ -121,10 +121,17 @@ def impl(impl_name: str, dtype: torch.dtype):
 
 
 @pytest.fixture(scope="session")
-def bench():
+def workbench():
     wb = Workbench()
     yield wb
     wb.close()
+
+
+@pytest.fixture
+def bench(workbench, request):
+    """The workbench as the test's implementation sees it (its weights); the plain one without one."""
+    impl = request.getfixturevalue("impl") if "impl_name" in request.fixturenames else None
+    return workbench.on(impl.weights if impl is not None else "random")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # noqa: ARG001

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from .base import EngineOptions, Implementation, Output, Runner, Sampling
 from .fast import (
+    FastCpu4Bit,
     FastCpuBf16x3,
     FastCpuKvBf16,
+    FastCpuQ4Amx,
     FastCpuStack,
     FastCudaGraph,
     FastFlash,
@@ -23,6 +25,8 @@ IMPLEMENTATIONS: dict[str, type[Implementation]] = {
         FastCpuStack,
         FastCpuBf16x3,
         FastCpuKvBf16,
+        FastCpu4Bit,
+        FastCpuQ4Amx,
         FastTriton,
         FastFlash,
         FastCudaGraph,

@@ -116,6 +116,9 @@ class Implementation(ABC):
     interpreted: ClassVar[bool] = False  # slow (Triton interpreter): only the small cases run
     has_engine: ClassVar[bool] = True  # scheduling knobs exist (tests marked `engine` apply)
     lossy_kv_cache: ClassVar[bool] = False  # K/V stored rounded (a bf16 cache under an fp32 model)
+    # the tiny models' weights it runs on, the reference oracle too: "random", or "four-bit" (its linear
+    # weights at a dequantized 4-bit checkpoint's values, for kernels that apply only to those)
+    weights: ClassVar[str] = "random"
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
@@ -151,7 +154,8 @@ class Implementation(ABC):
 
     def describe(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
-        return f"{self.name} {self.version()} device={self.device()} dtype={dtype}"
+        weights = "" if self.weights == "random" else f" weights={self.weights}"
+        return f"{self.name} {self.version()} device={self.device()} dtype={dtype}{weights}"
 
 
 class CharTokenizer:

@@ -15,6 +15,10 @@ fast-cpu-bf16x3 attention_backend="torch" on CPU at matmul_precision="high" with
                 tolerances like the others
 fast-cpu-kv-bf16 attention_backend="torch" on CPU over a bf16 KV cache (kv_cache_dtype="bfloat16"):
                 K/V rounded to bf16, so held to vLLM's low-precision rule, not the fp32 one
+fast-cpu-4bit   fast-cpu-stack on weights that are a dequantized 4-bit checkpoint's (`weights`
+                "four-bit", the reference's too): the panel GEMM keeps them as 4-bit panels
+fast-cpu-q4-amx attention_backend="torch" on CPU with every 4-bit linear through the AMX kernel for them
+                (linear_kernel="q4-amx"; CPUs with AMX-BF16), at "highest", held to the fp32 rule
 """
 
 from __future__ import annotations
@@ -363,3 +367,37 @@ class FastCpuKvBf16(Fast):
 
     def describe(self) -> str:
         return f"{super().describe()} kv_cache_dtype=bfloat16"
+
+
+class FastCpu4Bit(FastCpuStack):
+    """fast-cpu-stack on four-bit weights: every linear weight is exactly 4-bit blocks, so the panel GEMM
+    reads 4-bit panels (kernels/q4_blocks.py), in the decode stack and alone."""
+
+    name = "fast-cpu-4bit"
+    weights = "four-bit"
+
+
+class FastCpuQ4Amx(Fast):
+    """The CPU path with every 4-bit linear through the AMX kernel for 4-bit blocks (kernels/cpu_amx_q4.py),
+    forced rather than timed, on four-bit weights, at "highest": its products are exact and its sums
+    fp32, so it is held to the fp32 rule."""
+
+    name = "fast-cpu-q4-amx"
+    backend = "torch"
+    weights = "four-bit"
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        from swiftkv_fast.kernels import cpu_amx
+
+        reason = cpu_amx.unavailable_reason()
+        if reason is not None:
+            return False, f"the AMX kernels cannot run here ({reason})"
+        return cls._base_available()
+
+    @classmethod
+    def device(cls) -> str:
+        return "cpu"
+
+    def engine_kwargs(self, engine: EngineOptions) -> dict[str, Any]:
+        return {**super().engine_kwargs(engine), "linear_kernel": "q4-amx"}

@@ -173,16 +173,6 @@ def tiny():
     return build
 
 
-def q4_1_dequantized(w: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """w (out, in) as a Q4_1 checkpoint holds it once dequantized to fp32 (llama.cpp's rule per block of
-    32 inputs: m the minimum and d the range / 15, both stored in fp16; codes round((w - m) / d))."""
-    b = w.reshape(w.shape[0], -1, block)
-    m = b.amin(-1, keepdim=True).half().float()
-    d = ((b.amax(-1, keepdim=True) - m) / 15).half().float()
-    q = torch.where(d > 0, (b - m) / torch.where(d > 0, d, 1.0), 0.0).round().clamp(0, 15)
-    return (d * q + m).reshape(w.shape)
-
-
 async def wait_until(timeout: float, predicate) -> None:
     """Poll `predicate` every 10 ms on the running event loop; AssertionError after `timeout` s."""
     for _ in range(int(timeout * 100)):

@@ -8,10 +8,11 @@ import time
 
 import pytest
 import torch
-from conftest import TINY_MODELS, q4_1_dequantized, random_prompts
+from conftest import TINY_MODELS, random_prompts
 from swiftkv_fast import LLM, SamplingParams
 from swiftkv_fast.kernels import cpu_compile, cpu_decode_stack, cpu_gemm
 from swiftkv_fast.model.decode_stack import layer_linears
+from swiftkv_reference.testing import four_bit_state_dict
 
 pytestmark = pytest.mark.skipif(
     cpu_compile.compiler() is None or cpu_decode_stack.kernel(16, 2) is None,
@@ -81,7 +82,7 @@ def test_stack_over_4_bit_panels_equals_fp32_panels(tiny, name, monkeypatch):
     """Weights that are a dequantized 4-bit checkpoint's: the stack reads them as 4-bit panels and gives
     the fp32 panels' logits and KV cache bit for bit (the per-op path too, on prompt steps)."""
     cfg, state, _ = tiny(**TINY_MODELS[name])
-    state = {k: q4_1_dequantized(v) if k.endswith("proj.weight") else v for k, v in state.items()}
+    state = four_bit_state_dict(state)
     prompts = random_prompts(4, cfg.vocab_size, [3, 40, 9, 25], seed=5)
     runs = {}
     for four_bit in ("0", "1"):

@@ -8,13 +8,18 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import q4_1_dequantized
 from swiftkv_fast import LLM, SamplingParams
 from swiftkv_fast.kernels import cpu_amx, cpu_compile, cpu_gemm
 from swiftkv_fast.kernels.cpu_amx_q4 import NoFourBitForm, Q4AmxWeight
 from swiftkv_fast.kernels.q4_blocks import Q4_BLOCK, q4_blocks, q4_panels
 from swiftkv_fast.model import linear_kernels as lk
-from swiftkv_reference.testing import fp32_atol, random_state_dict, tiny_config
+from swiftkv_reference.testing import (
+    four_bit_state_dict,
+    fp32_atol,
+    q4_1_dequantized,
+    random_state_dict,
+    tiny_config,
+)
 
 
 def q4_1(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
@@ -175,8 +180,7 @@ def test_q4_amx_is_an_fp32_product(out_features, in_features):
 @amx
 def test_q4_amx_engine_gives_the_f_linear_engines_tokens():
     config = tiny_config(num_hidden_layers=3)
-    state = random_state_dict(config)
-    state = {k: q4_1_dequantized(v) if k.endswith("proj.weight") else v for k, v in state.items()}
+    state = four_bit_state_dict(random_state_dict(config))
     prompts = [[5, 6, 7, 8, 9] * 3, [11, 12, 13]]
     params = SamplingParams(temperature=0, max_tokens=6)
     got = {}
@@ -185,6 +189,5 @@ def test_q4_amx_engine_gives_the_f_linear_engines_tokens():
             config, state, linear_kernel=kernel, num_key_value_layers=2, max_model_len=64
         )
         got[kernel] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        w = llm.llm_engine.runner.model.w
-        assert w.lm_head.plan[0][1] == "linear"  # the random embedding has no 4-bit form
+        assert llm.llm_engine.runner.model.w.lm_head.plan[0][1] == kernel
     assert got["q4-amx"] == got["linear"]

@@ -70,6 +70,29 @@ def random_state_dict(
     return state
 
 
+def q4_1_dequantized(w: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """w (out, in) as a Q4_1 checkpoint holds it once dequantized to fp32 (llama.cpp's rule per block of
+    32 inputs: m the minimum and d the range / 15, both stored in fp16; codes round((w - m) / d))."""
+    b = w.reshape(w.shape[0], -1, block)
+    m = b.amin(-1, keepdim=True).half().float()
+    d = ((b.amax(-1, keepdim=True) - m) / 15).half().float()
+    q = torch.where(d > 0, (b - m) / torch.where(d > 0, d, 1.0), 0.0).round().clamp(0, 15)
+    return (d * q + m).reshape(w.shape)
+
+
+def four_bit_state_dict(state: dict[str, torch.Tensor], block: int = 32) -> dict[str, torch.Tensor]:
+    """`state` with every linear weight (the projections and lm_head) replaced by its Q4_1 values, as a
+    dequantized 4-bit checkpoint (the embedded GGUF model) holds them; weights whose input width is not
+    a multiple of `block`, the embedding, norms and biases stay as they are."""
+    linear = ("_proj.weight", "_proj_swiftkv.weight", "lm_head.weight")
+    return {
+        k: q4_1_dequantized(v, block)
+        if k.endswith(linear) and v.dim() == 2 and v.shape[1] % block == 0
+        else v
+        for k, v in state.items()
+    }
+
+
 def tiny_model(config: SwiftKVConfig | None = None, seed: int = 0, **overrides):
     """A SwiftKVForCausalLM (eval, fp32) of `config` (or `tiny_config(**overrides)`) with random weights."""
     from .model import SwiftKVForCausalLM

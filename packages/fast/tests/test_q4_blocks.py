@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 from swiftkv_fast import LLM, SamplingParams
 from swiftkv_fast.kernels import cpu_amx, cpu_compile, cpu_gemm
-from swiftkv_fast.kernels.cpu_amx_q4 import NoFourBitForm, Q4AmxWeight
-from swiftkv_fast.kernels.q4_blocks import Q4_BLOCK, q4_blocks, q4_panels
+from swiftkv_fast.kernels.cpu_amx_q4 import Q4AmxWeight
+from swiftkv_fast.kernels.q4_blocks import Q4_BLOCK, NoFourBitForm, q4_blocks, q4_panels
 from swiftkv_fast.model import linear_kernels as lk
+from swiftkv_fast.model.decode_stack import layer_linears, stack_panel
 from swiftkv_reference.testing import (
     four_bit_state_dict,
     fp32_atol,
@@ -191,3 +192,49 @@ def test_q4_amx_engine_gives_the_f_linear_engines_tokens():
         got[kernel] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.llm_engine.runner.model.w.lm_head.plan[0][1] == kernel
     assert got["q4-amx"] == got["linear"]
+
+
+@amx
+@pytest.mark.parametrize("out_features, in_features", [(16, 32), (40, 96), (960, 576), (33, 1536)])
+def test_4_bit_panels_on_amx_are_an_fp32_product(out_features, in_features):
+    """panel-amx: the 4-bit panels' bytes multiplied on AMX tiles, as close to the fp64 product as
+    F.linear, alone and with the fused prologues (bit-identical inputs to the FMA path's)."""
+    w = q4_1(out_features, in_features, seed=out_features + in_features)
+    tiles = cpu_gemm.PanelWeight(w, amx=True)
+    fma = cpu_gemm.PanelWeight(w)
+    assert (tiles.format, fma.format) == ("q4-amx", "q4") and torch.equal(tiles.packed, fma.packed)
+    g = torch.Generator().manual_seed(2)
+    bias = torch.randn(out_features, generator=g)
+    for rows in (1, 5, 16, 17, 40, 100):
+        x = torch.randn(rows, in_features, generator=g)
+        want = (x.double() @ w.double().T + bias.double()).float()
+        torch.testing.assert_close(tiles.linear(x, bias), want, rtol=0, atol=fp32_atol(want))
+        h, delta = torch.randn(rows, in_features, generator=g), torch.randn(rows, in_features, generator=g)
+        norm_weight = 1 + 0.1 * torch.randn(in_features, generator=g)
+        h2 = h.clone()
+        got = tiles.linear_after_norm(h, delta, norm_weight, 1e-5)
+        ref = fma.linear_after_norm(h2, delta, norm_weight, 1e-5)
+        assert torch.equal(h, h2)
+        torch.testing.assert_close(got, ref, rtol=0, atol=fp32_atol(ref))
+    with pytest.raises(NoFourBitForm):
+        cpu_gemm.PanelWeight(torch.randn(32, 64), amx=True)
+
+
+@amx
+def test_stack_over_4_bit_panels_on_amx_gives_the_references_tokens():
+    config = tiny_config(model_type="llama_swiftkv", num_hidden_layers=4, num_key_value_layers=2)
+    state = four_bit_state_dict(random_state_dict(config))
+    prompts = [[5, 6, 7, 8, 9] * 3, [11, 12, 13], list(range(20, 60))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got = {}
+    for kernel in ("linear", "panel-amx"):
+        llm = LLM.from_state_dict(config, state, linear_kernel=kernel, max_model_len=96, return_logits=True)
+        got[kernel] = llm.generate(prompts, params, use_tqdm=False)
+        if kernel == "panel-amx":
+            stacks = llm.llm_engine.runner.model.stacks
+            assert all(s.calls > 0 for s in stacks)
+            formats = {stack_panel(lin).format for s in stacks for x in s.layers for lin in layer_linears(x)}
+            assert formats == {"q4-amx"}
+    for a, b in zip(got["panel-amx"], got["linear"]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        torch.testing.assert_close(a.outputs[0].logits, b.outputs[0].logits, rtol=0, atol=1e-4)

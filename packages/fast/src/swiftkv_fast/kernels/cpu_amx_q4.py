@@ -32,7 +32,7 @@ import torch
 
 from swiftkv_fast.kernels import cpu_amx, cpu_compile
 from swiftkv_fast.kernels._common import dense_rows
-from swiftkv_fast.kernels.q4_blocks import Q4_BLOCK, q4_blocks
+from swiftkv_fast.kernels.q4_blocks import Q4_BLOCK, NoFourBitForm, q4_blocks
 
 TILE_K = 32  # inputs per tile: one block of the 4-bit form
 BLOCK = 32  # rows and columns of a register block
@@ -193,10 +193,6 @@ int swiftkv_amx_q4_linear(const float *x, int64_t ldx, int64_t M, int64_t N, int
 _P, _I, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SYMBOLS = {"swiftkv_amx_q4_linear": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _INT]}
 _scratch = threading.local()  # per thread, the split x and its block sums, grown to the largest call
-
-
-class NoFourBitForm(ValueError):
-    """The weight is not exactly 4-bit blocks: this kernel does not apply to it (other weights may)."""
 
 
 class Q4AmxWeight:

@@ -172,7 +172,8 @@ int swiftkv_decode_stack(const struct stack_step *st, const struct stack_layer *
         const struct stack_group *g = groups + ly->group;
         kv_t *k_cache = st->kv_cache + ly->kv_slot * st->slot_stride, *v_cache = k_cache + st->kv_stride;
         const int64_t nqkv = ly->qkv.N;
-        gemm_pack_x(st->h, H, H, rows, PROLOGUE_RMS_NORM, l ? mlp : NULL, H, ly->input_norm, st->eps, xp);
+        gemm_pack_x(st->h, H, H, rows, PROLOGUE_RMS_NORM, l ? mlp : NULL, H, ly->input_norm, st->eps,
+                    xp, (int)ly->qkv.format);
         gemm_run(xp, ly->qkv.packed, (int)ly->qkv.format, ly->qkv.bias, qkv, nqkv, H, rows);
         STACK_LAP(STACK_TIMED_LINEAR)
         #pragma omp for schedule(static)
@@ -193,12 +194,15 @@ int swiftkv_decode_stack(const struct stack_step *st, const struct stack_layer *
                                g->bt_stride, g->max_blocks, g->seq_lens, attn, T, st->kv_heads, st->bs,
                                ly->window, st->scale, num_threads, &failed);
         STACK_LAP(STACK_TIMED_ATTENTION)
-        gemm_pack_x(attn, q_width, q_width, rows, PROLOGUE_NONE, NULL, 0, NULL, 0.f, xp);
+        gemm_pack_x(attn, q_width, q_width, rows, PROLOGUE_NONE, NULL, 0, NULL, 0.f,
+                    xp, (int)ly->o.format);
         gemm_run(xp, ly->o.packed, (int)ly->o.format, ly->o.bias, o, H, q_width, rows);
-        gemm_pack_x(st->h, H, H, rows, PROLOGUE_RMS_NORM, o, H, ly->post_norm, st->eps, xp);
+        gemm_pack_x(st->h, H, H, rows, PROLOGUE_RMS_NORM, o, H, ly->post_norm, st->eps,
+                    xp, (int)ly->gate_up.format);
         gemm_run(xp, ly->gate_up.packed, (int)ly->gate_up.format, ly->gate_up.bias, gu, ly->gate_up.N, H,
                  rows);
-        gemm_pack_x(gu, ly->gate_up.N, ly->down.K, rows, PROLOGUE_SILU_MUL, NULL, 0, NULL, 0.f, xp);
+        gemm_pack_x(gu, ly->gate_up.N, ly->down.K, rows, PROLOGUE_SILU_MUL, NULL, 0, NULL, 0.f,
+                    xp, (int)ly->down.format);
         gemm_run(xp, ly->down.packed, (int)ly->down.format, ly->down.bias, mlp, H, ly->down.K, rows);
         STACK_LAP(STACK_TIMED_LINEAR)
     }

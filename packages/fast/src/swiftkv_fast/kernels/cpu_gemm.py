@@ -62,9 +62,9 @@ from collections.abc import Callable
 
 import torch
 
-from swiftkv_fast.kernels import cpu_compile
+from swiftkv_fast.kernels import cpu_amx, cpu_compile
 from swiftkv_fast.kernels._common import dense_rows
-from swiftkv_fast.kernels.q4_blocks import q4_panels
+from swiftkv_fast.kernels.q4_blocks import NoFourBitForm, q4_panels
 
 ENV_SWITCH = "SWIFTKV_CPU_GEMM_KERNEL"
 FOUR_BIT_SWITCH = "SWIFTKV_CPU_GEMM_4BIT"  # "0": keep every panel in fp32 (for comparisons)
@@ -91,6 +91,7 @@ SOURCE = (
 #define Q4_BLOCK_BYTES (2 * 16 * 4 + 16 * Q4_BLOCK / 2)
 #define PANEL_F32 0
 #define PANEL_Q4 1
+#define PANEL_Q4_AMX 2  /* the 4-bit panels multiplied on AMX tiles (below) */
 #if defined(__x86_64__)
 #include <immintrin.h>
 /* An accumulator's value as it stands: the 4-bit micro kernels add the inputs of a pair one after the
@@ -295,10 +296,121 @@ static inline struct gemm_rows gemm_rows(int64_t M) {
     return r;
 }
 
-/* floats of the packed copy of x for M rows of K inputs: (groups, K, MR) */
-static inline int64_t gemm_xp_floats(int64_t M, int64_t K) { return (M + MR - 1) / MR * K * MR; }
+/* floats of the packed copy of x for M rows of K inputs: (groups, K, MR), or for PANEL_Q4_AMX its three
+   bf16 parts and block sums (amx_pack_rows), which take 1.53x that: room for either */
+static inline int64_t gemm_xp_floats(int64_t M, int64_t K) { return 2 * ((M + MR - 1) / MR * K * MR); }
 
 #define GROUP_START(g) group_start(g, rows.base, rows.extra, rows.M)
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && MR == 16
+/* PANEL_Q4_AMX: the 4-bit panels on AMX tiles, with fp32 products. A code is an integer below 16, exact in
+   bf16; an input v is split into bf16 parts hi = bf16(v), mid = bf16(v - hi), lo = bf16(v - hi - mid),
+   which sum to v exactly (8 significant bits each; inputs below ~1e-30 lose their last part, which
+   VCVTNEPS2BF16 flushes), so every part-times-code product is exact in TDPBF16PS's fp32 sums. Per
+   block of Q4_BLOCK inputs a tile product gives S = sum_k x_k q_k of a group's 16 rows and a panel's 16
+   columns, and y += d S + m X, X the block's sum of the row's inputs. A group's parts are tiles of 16
+   rows x 32 inputs: (3, groups, K / 32, 16, 32) bf16, then its block sums (groups, 16, K / 32) fp32. */
+#define HAVE_AMX_Q4 1
+struct amx_tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+};
+
+/* tiles 0: S, 1-3: the parts of x, 4: the codes; 16 rows of 64 bytes each */
+static inline void amx_config(void) {
+    struct amx_tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 5; t++) {
+        config.bytes_per_row[t] = 64;
+        config.rows[t] = 16;
+    }
+    _tile_loadconfig(&config);
+}
+
+static inline __m512 amx_widen(__m256bh h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
+}
+
+/* rows r of group g: n inputs of chunk (row-major, PACK_CHUNK apart) at input k0 into the parts and
+   block sums; k0 and n multiples of Q4_BLOCK */
+static void amx_pack_rows(float chunk[][PACK_CHUNK], int64_t g, int64_t groups, int64_t K, int64_t k0,
+                          int64_t n, uint16_t *tiles) {
+    const int64_t blocks = K / Q4_BLOCK, part = groups * blocks * 512;
+    float *sums = (float *)(tiles + 3 * part);
+    for (int r = 0; r < MR; r++)
+        for (int64_t k = 0; k < n; k += 16) {
+            const __m512 v = _mm512_loadu_ps(chunk[r] + k);
+            const __m256bh hi = _mm512_cvtneps_pbh(v);
+            const __m512 r1 = _mm512_sub_ps(v, amx_widen(hi));
+            const __m256bh mid = _mm512_cvtneps_pbh(r1);
+            const __m256bh lo = _mm512_cvtneps_pbh(_mm512_sub_ps(r1, amx_widen(mid)));
+            const int64_t kk = k0 + k, b = kk / Q4_BLOCK;
+            uint16_t *t = tiles + (g * blocks + b) * 512 + r * 32 + kk % Q4_BLOCK;
+            _mm256_storeu_si256((__m256i *)t, (__m256i)hi);
+            _mm256_storeu_si256((__m256i *)(t + part), (__m256i)mid);
+            _mm256_storeu_si256((__m256i *)(t + 2 * part), (__m256i)lo);
+            if (kk % Q4_BLOCK == 0) {
+                const __m512 w = _mm512_loadu_ps(chunk[r] + k + 16);
+                sums[(g * MR + r) * blocks + b] = _mm512_reduce_add_ps(_mm512_add_ps(v, w));
+            }
+        }
+}
+
+static const uint16_t AMX_BF16_INT[32] = {0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
+                                          0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+
+/* a 4-bit panel's block (d, m, then 16 rows of 16 code bytes) -> the codes as a bf16 tile in the order
+   TDPBF16PS reads (row j: column c's codes of inputs 2 j and 2 j + 1 side by side) */
+static inline void amx_codes_tile(const unsigned char *blk, uint16_t *tile) {
+    const __m512i table = _mm512_loadu_si512(AMX_BF16_INT), nibbles = _mm512_set1_epi32(0x000F000F);
+    for (int j = 0; j < Q4_BLOCK / 2; j++) {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 128 + 16 * j)));
+        const __m512i pairs = _mm512_and_si512(_mm512_or_si512(b, _mm512_slli_epi32(b, 12)), nibbles);
+        _mm512_store_si512(tile + 32 * j, _mm512_permutexvar_epi16(pairs, table));
+    }
+}
+
+/* an item's rows [m0, m1) (groups g0..g1) times panel p into out (ldo apart), as the FMA path's items */
+static void amx_item(const uint16_t *tiles, int64_t groups, const unsigned char *panel, int64_t K,
+                     struct gemm_rows rows, int64_t g0, int64_t g1, float *out, int64_t ldo) {
+    const int64_t blocks = K / Q4_BLOCK, part = groups * blocks * 512;
+    const float *sums = (const float *)(tiles + 3 * part);
+    uint16_t codes[512] __attribute__((aligned(64)));
+    float s[256] __attribute__((aligned(64)));
+    const int64_t m0 = group_start(g0, rows.base, rows.extra, rows.M);
+    for (int64_t b = 0; b < blocks; b++) {
+        const unsigned char *blk = panel + b * Q4_BLOCK_BYTES;
+        amx_codes_tile(blk, codes);
+        _tile_loadd(4, codes, 64);
+        const __m512 d = _mm512_loadu_ps((const float *)blk), m = _mm512_loadu_ps((const float *)(blk + 64));
+        for (int64_t g = g0; g < g1; g++) {
+            const uint16_t *a = tiles + (g * blocks + b) * 512;
+            _tile_zero(0);
+            _tile_loadd(1, a, 64);
+            _tile_dpbf16ps(0, 1, 4);
+            _tile_loadd(2, a + part, 64);
+            _tile_dpbf16ps(0, 2, 4);
+            _tile_loadd(3, a + 2 * part, 64);
+            _tile_dpbf16ps(0, 3, 4);
+            _tile_stored(0, s, 64);
+            const int64_t gm = group_start(g, rows.base, rows.extra, rows.M);
+            const int64_t n = group_start(g + 1, rows.base, rows.extra, rows.M) - gm;
+            for (int64_t r = 0; r < n; r++) {
+                float *o = out + (gm - m0 + r) * ldo;
+                const __m512 x = _mm512_set1_ps(sums[(g * MR + r) * blocks + b]);
+                const __m512 t = _mm512_fmadd_ps(d, _mm512_load_ps(s + 16 * r), _mm512_mul_ps(m, x));
+                _mm512_storeu_ps(o, b ? _mm512_add_ps(_mm512_loadu_ps(o), t) : t);
+            }
+        }
+    }
+}
+#else
+#define HAVE_AMX_Q4 0
+#endif
+
+int swiftkv_gemm_has_amx(void) { return HAVE_AMX_Q4; }
 
 /* Inside a parallel region (a worksharing loop over the groups, so every thread of the region must
    call it): x packed by group into xp, (groups, K, MR), zero past a group's rows, so that every
@@ -308,7 +420,7 @@ static inline int64_t gemm_xp_floats(int64_t M, int64_t K) { return (M + MR - 1)
    each row's values MR floats apart instead (vector scatters, or one store per line per row) took 6x
    as long on a Zen 4 EPYC: 18 against 3 us for 16 rows of 1,536, ~2% of a decode step. */
 static void gemm_pack_x(float *x, int64_t ldx, int64_t K, struct gemm_rows rows, int prologue,
-                        const float *d, int64_t ldd, const float *norm_w, float eps, float *xp) {
+                        const float *d, int64_t ldd, const float *norm_w, float eps, float *xp, int format) {
     #pragma omp for schedule(static)
     for (int64_t g = 0; g < rows.groups; g++) {
         const int64_t m0 = GROUP_START(g), n_rows = GROUP_START(g + 1) - m0;
@@ -333,6 +445,14 @@ static void gemm_pack_x(float *x, int64_t ldx, int64_t K, struct gemm_rows rows,
                 else
                     for (int64_t k = 0; k < n; k++) c[k] = xr[k];
             }
+#if HAVE_AMX_Q4
+            if (format == PANEL_Q4_AMX) {
+                amx_pack_rows(chunk, g, rows.groups, K, k0, n, (uint16_t *)xp);
+                continue;
+            }
+#else
+            (void)format;
+#endif
             float *dst = xp + g * K * MR + k0 * MR;
             for (int64_t k = 0; k < n; k++)
                 for (int r = 0; r < MR; r++) dst[MR * k + r] = chunk[r][k];
@@ -349,8 +469,11 @@ static inline int64_t gemm_items(struct gemm_rows rows, int64_t N) {
 static void gemm_run(const float *xp, const void *packed, int format, const float *bias, float *y,
                      int64_t N, int64_t K, struct gemm_rows rows) {
     const int64_t panels = (N + 15) / 16, groups = rows.groups;
-    const int q4 = format == PANEL_Q4;
+    const int q4 = format != PANEL_F32;
     const micro_fn *run = q4 ? micro_q4 : micro;
+#if HAVE_AMX_Q4
+    if (format == PANEL_Q4_AMX) amx_config();
+#endif
     /* bytes per input and panel; inputs per prefetch (the 4-bit micro kernels prefetch once a pair) */
     const int64_t in_bytes = q4 ? Q4_BLOCK_BYTES / Q4_BLOCK : 64, pf_inputs = q4 ? 2 : 1;
     #pragma omp for schedule(static)
@@ -363,6 +486,12 @@ static void gemm_run(const float *xp, const void *packed, int format, const floa
         float tmp[GROUPS_PER_ITEM * MR * 16];  /* a panel past N: its outputs before the copy */
         float *out = full ? y + m0 * N + n0 : tmp;
         const int64_t ldo = full ? N : 16;
+#if HAVE_AMX_Q4
+        if (format == PANEL_Q4_AMX) {
+            amx_item((const uint16_t *)xp, groups, panel, K, rows, g0, g1, out, ldo);
+            goto epilogue;
+        }
+#endif
         for (int64_t k0 = 0; k0 < K; k0 += IN_BLOCK) {
             const int64_t kc = K - k0 < IN_BLOCK ? K - k0 : IN_BLOCK;
             /* the kc panel rows IN_BLOCK rows ahead in memory (in this panel, then the next one)
@@ -380,6 +509,9 @@ static void gemm_run(const float *xp, const void *packed, int format, const floa
                                                 ahead + (g - g0) * step * (kc / pf_inputs), step);
             }
         }
+#if HAVE_AMX_Q4
+    epilogue:;
+#endif
         const int64_t width = full ? 16 : N - n0;
         for (int64_t m = m0; m < m1; m++) {
             float *dst = y + m * N + n0;
@@ -402,7 +534,7 @@ int swiftkv_gemm(float *x, int64_t ldx, const void *packed, int format, const fl
     if (xp == NULL) return 1;
     #pragma omp parallel num_threads(num_threads) if (gemm_items(rows, N) > 1)
     {
-        gemm_pack_x(x, ldx, K, rows, prologue, d, ldd, norm_w, eps, xp);
+        gemm_pack_x(x, ldx, K, rows, prologue, d, ldd, norm_w, eps, xp, format);
         gemm_run(xp, packed, format, bias, y, N, K, rows);
     }
     free(xp);
@@ -420,6 +552,7 @@ _GEMM_ARGTYPES += [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
 _GEMM_ARGTYPES += [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float]
 _SYMBOLS = {"swiftkv_gemm_pack": _PACK_ARGTYPES, "swiftkv_gemm": _GEMM_ARGTYPES}
 _SYMBOLS["swiftkv_gemm_rows_per_block"] = []
+_SYMBOLS["swiftkv_gemm_has_amx"] = []
 
 
 def enabled() -> bool:
@@ -442,9 +575,13 @@ class PanelWeight:
     check both paths on an AVX-512 machine); `rows_per_block` says which one runs (16 or 6 rows).
     `compact`: where W is exactly a 4-bit block-quantized weight (kernels/q4_blocks.py), keep it in the
     4-bit layout (`format` "q4"; the results are bit-identical to the fp32 layout's, `format` "fp32");
-    None: unless SWIFTKV_CPU_GEMM_4BIT=0."""
+    None: unless SWIFTKV_CPU_GEMM_4BIT=0. `amx`: multiply the 4-bit panels on AMX tiles (`format`
+    "q4-amx": exact products, fp32 sums; the same bytes); raises NoFourBitForm where W has no 4-bit
+    form, RuntimeError where AMX cannot run here."""
 
-    def __init__(self, weight: torch.Tensor, avx512: bool = True, compact: bool | None = None):
+    def __init__(
+        self, weight: torch.Tensor, avx512: bool = True, compact: bool | None = None, amx: bool = False
+    ):
         functions = _functions(avx512)
         if functions is None:
             raise RuntimeError(
@@ -457,8 +594,16 @@ class PanelWeight:
         self.out_features, self.in_features = weight.shape
         if compact is None:
             compact = four_bit_enabled()
-        q4 = q4_panels(weight, PANEL) if compact else None
-        self.format = "fp32" if q4 is None else "q4"
+        if amx:
+            reason = cpu_amx.unavailable_reason()
+            if reason is None and not functions["swiftkv_gemm_has_amx"]():
+                reason = "the panel GEMM was built without AMX-BF16 and AVX512-BF16"
+            if reason is not None:
+                raise RuntimeError(f"the 4-bit panels cannot run on AMX here ({reason})")
+        q4 = q4_panels(weight, PANEL) if compact or amx else None
+        if amx and q4 is None:
+            raise NoFourBitForm(f"a {tuple(weight.shape)} weight that is not exactly 4-bit blocks")
+        self.format = "fp32" if q4 is None else "q4-amx" if amx else "q4"
         if q4 is not None:
             self.packed = q4  # (panels, in / 32, 384) bytes
         else:
@@ -543,7 +688,7 @@ class PanelWeight:
 
 
 _NONE, _RMS_NORM, _SILU_MUL = 0, 1, 2  # the C kernel's PROLOGUE_* values
-FORMATS = {"fp32": 0, "q4": 1}  # the C kernel's PANEL_* values
+FORMATS = {"fp32": 0, "q4": 1, "q4-amx": 2}  # the C kernel's PANEL_* values
 
 
 def _check_rows(name: str, t: torch.Tensor, width: int) -> None:

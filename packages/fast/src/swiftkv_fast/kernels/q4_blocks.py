@@ -27,6 +27,10 @@ LEVELS = 15  # codes are 0..15
 ROWS_PER_CHUNK = 4096  # rows examined at once (bounds the temporaries; stops at the first misfit)
 
 
+class NoFourBitForm(ValueError):
+    """A weight is not exactly 4-bit blocks: a kernel for them does not apply (other weights may)."""
+
+
 def _fit(
     b: torch.Tensor, lo: torch.Tensor, d: torch.Tensor, check_product: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,7 @@ import torch
 from swiftkv_fast.kernels import cpu_compile, cpu_decode
 from swiftkv_fast.kernels import cpu_decode_stack as kernel_module
 from swiftkv_fast.kernels.cpu_decode_stack import StackGroup, StackLayer, StackLinear, StackStep
-from swiftkv_fast.kernels.cpu_gemm import FORMATS
+from swiftkv_fast.kernels.cpu_gemm import FORMATS, PanelWeight
 from swiftkv_fast.model.layers import Linear, RotaryTable
 
 
@@ -98,7 +98,7 @@ class DecodeStack:
         return all(widths) and norms
 
     def _linear(self, lin: Linear) -> StackLinear:
-        panel = lin.layouts.get("panel")
+        panel = stack_panel(lin)
         bias = None if lin.bias is None else self._own(lin.bias)
         return StackLinear(
             None if panel is None else panel.packed.data_ptr(),
@@ -132,7 +132,7 @@ class DecodeStack:
 
     def ready(self) -> bool:
         """Every linear holds a panel layout and the kernel builds: the stack can run at any row count."""
-        panels = all("panel" in lin.layouts for lw in self.layers for lin in layer_linears(lw))
+        panels = all(stack_panel(lin) is not None for lw in self.layers for lin in layer_linears(lw))
         return panels and self._build()
 
     def decide(self, runs: dict[int, bool]) -> None:
@@ -239,6 +239,15 @@ class DecodeStack:
         block_size = kv_cache.shape[3]
         row = self.num_kv_heads * self.head_dim
         return kv_cache.stride()[3:] == (row, self.head_dim, 1) and kv_cache.stride(2) == block_size * row
+
+
+def stack_panel(lin: Linear) -> PanelWeight | None:
+    """The panel layout the stack reads for `lin` (fp32, 4-bit or 4-bit on AMX): the one its plan runs
+    at one row, else the one it keeps besides (the spare the kernel chooser packed for the stack)."""
+    at_one_row = lin.panel_at(1)
+    if at_one_row is not None:
+        return at_one_row
+    return next((layout for layout in lin.layouts.values() if isinstance(layout, PanelWeight)), None)
 
 
 def layer_linears(lw) -> tuple[Linear, ...]:

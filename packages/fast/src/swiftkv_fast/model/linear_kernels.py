@@ -55,9 +55,9 @@ import torch.nn.functional as F
 
 from swiftkv_fast.kernels import cpu_amx, cpu_gemm
 from swiftkv_fast.kernels.cpu_amx import MATMUL_PRECISIONS, Bf16x3Weight
-from swiftkv_fast.kernels.cpu_amx_q4 import NoFourBitForm, Q4AmxWeight
+from swiftkv_fast.kernels.cpu_amx_q4 import Q4AmxWeight
 from swiftkv_fast.kernels.cpu_gemm import PanelWeight
-from swiftkv_fast.kernels.q4_blocks import q4_blocks
+from swiftkv_fast.kernels.q4_blocks import NoFourBitForm, q4_blocks
 from swiftkv_fast.logger import init_logger
 from swiftkv_fast.model.cpu_contention import ContentionMeter, waited_seconds
 
@@ -109,6 +109,9 @@ KERNELS = {
     "panel": LinearKernel("panel", PanelWeight, lambda x, w, bias: w.linear(x, bias)),
     "bf16x3": LinearKernel("bf16x3", Bf16x3Weight, lambda x, w, bias: w.linear(x, bias), precision="high"),
     "q4-amx": LinearKernel("q4-amx", Q4AmxWeight, lambda x, w, bias: w.linear(x, bias), four_bit_only=True),
+    "panel-amx": LinearKernel(
+        "panel-amx", partial(PanelWeight, amx=True), lambda x, w, bias: w.linear(x, bias), four_bit_only=True
+    ),
 }
 
 
@@ -378,6 +381,8 @@ class LinearKernelChooser:
                 return self._without(key, k, name, weight, bias, max_rows, shared)
         layouts = {k: layouts[k] for k in kept}
         self.extra_bytes += self._extra_bytes(weight, layouts, shared)
+        if spare == "panel" and self.kernel == "auto":
+            spare = self._faster_panel(times)
         if spare is not None and self.kernel == "auto" and spare not in layouts:
             spare_layout: dict[str, torch.Tensor] = {}
             if self._pack(spare, weight, spare_layout):
@@ -388,6 +393,14 @@ class LinearKernelChooser:
         self.choices[f"{name} ({weight.shape[0]}x{weight.shape[1]}){rows}"] = describe_plan(plan)
         _CHOICES.update(self.choices)
         return KernelChoice(layouts, plan)
+
+    @staticmethod
+    def _faster_panel(times: dict[int, dict[str, float]]) -> str:
+        """Of the panel GEMM's flavours timed here (fp32 or 4-bit on FMAs, "panel"; 4-bit on AMX tiles,
+        "panel-amx"), the one faster over decode-sized rows (up to 64): the decode stack's spare."""
+        decode = [t for rows, t in times.items() if rows <= 64] or list(times.values())
+        timed = [k for k in ("panel", "panel-amx") if all(k in t for t in decode)]
+        return min(timed, key=lambda k: sum(t[k] for t in decode)) if timed else "panel"
 
     def _without(self, key, kernel, name, weight, bias, max_rows, shared) -> KernelChoice:
         for t in self.times.get(key, {}).values():

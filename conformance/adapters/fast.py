@@ -19,6 +19,8 @@ fast-cpu-4bit   fast-cpu-stack on weights that are a dequantized 4-bit checkpoin
                 "four-bit", the reference's too): the panel GEMM keeps them as 4-bit panels
 fast-cpu-q4-amx attention_backend="torch" on CPU with every 4-bit linear through the AMX kernel for them
                 (linear_kernel="q4-amx"; CPUs with AMX-BF16), at "highest", held to the fp32 rule
+fast-cpu-panel-amx the 4-bit panels multiplied on AMX tiles (linear_kernel="panel-amx"), the decode stack
+                included, on four-bit weights, at "highest", held to the fp32 rule
 """
 
 from __future__ import annotations
@@ -401,3 +403,24 @@ class FastCpuQ4Amx(Fast):
 
     def engine_kwargs(self, engine: EngineOptions) -> dict[str, Any]:
         return {**super().engine_kwargs(engine), "linear_kernel": "q4-amx"}
+
+
+class FastCpuPanelAmx(FastCpuQ4Amx):
+    """The 4-bit panels multiplied on AMX tiles (kernels/cpu_gemm.py, PANEL_Q4_AMX) for every 4-bit
+    linear, forced, so that the decode stack runs them too; four-bit weights, "highest"."""
+
+    name = "fast-cpu-panel-amx"
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        from swiftkv_fast.kernels import cpu_gemm
+        from swiftkv_reference.testing import q4_1_dequantized
+
+        try:
+            cpu_gemm.PanelWeight(q4_1_dequantized(torch.randn(16, 32)), amx=True)
+        except RuntimeError as e:
+            return False, str(e)
+        return cls._base_available()
+
+    def engine_kwargs(self, engine: EngineOptions) -> dict[str, Any]:
+        return {**super().engine_kwargs(engine), "linear_kernel": "panel-amx"}

@@ -49,6 +49,19 @@ From cache, or at thousands of rows, oneDNN is as fast or faster (Zen 4, 4,096 r
 175-200). The chooser times this kernel beside the libraries' and keeps whichever is faster per shape
 and row count, so a machine where a library wins keeps the library.
 
+Weights that are exactly 4-bit blocks (kernels/q4_blocks.py: a dequantized 4-bit checkpoint, the embedded
+model's layers) are packed as 4-bit panels instead: per 32 inputs of a panel, its 16 columns' d and m
+and the codes, 12 bytes per input where fp32 takes 64; the micro kernels rebuild each weight vector
+exactly (d q + m, one rounding) and run the same FMAs in the same order, so the results are the fp32
+panels' bit for bit. Measured on a 2-core Xeon (AVX-512, 30 layers' weights streamed from memory,
+GFLOP/s, fp32 / 4-bit panels): 1 row 9-10 / 18-30, 4 rows 34-37 / 65-103, 16 rows 109-123 / 145-192;
+from 64 rows on the fp32 panels are as fast or faster (the unpacking costs FMA-port slots). On CPUs
+with AMX-BF16 the same bytes can run on the tiles (format PANEL_Q4_AMX, the `panel-amx` candidate):
+each block's codes unpacked to a bf16 tile, x split into three bf16 parts that sum to it exactly, so
+every product is exact and the sums fp32, then y += d S + m X per block; same Xeon, 2 threads: 16
+rows 226-247 against the FMA path's 165-197 GFLOP/s, 64 rows 298-360 against 193-197, 1-4 rows
+slower (each block's unpacking does not depend on the row count).
+
 Built at first use by kernels/cpu_compile.py (-O3 -march=native, OpenMP where torch uses it). Without a
 compiler, or with SWIFTKV_CPU_GEMM_KERNEL=0, `PanelWeight` raises RuntimeError and the chooser drops
 the candidate with one log line.
@@ -317,12 +330,12 @@ struct amx_tile_config {
     uint8_t rows[16];
 };
 
-/* tiles 0: S, 1-3: the parts of x, 4: the codes; 16 rows of 64 bytes each */
+/* tiles 0, 5: S of two panels; 1-3: the parts of x; 4, 6: the two panels' codes; 16 rows of 64 bytes */
 static inline void amx_config(void) {
     struct amx_tile_config config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
-    for (int t = 0; t < 5; t++) {
+    for (int t = 0; t < 7; t++) {
         config.bytes_per_row[t] = 64;
         config.rows[t] = 16;
     }
@@ -372,37 +385,98 @@ static inline void amx_codes_tile(const unsigned char *blk, uint16_t *tile) {
     }
 }
 
-/* an item's rows [m0, m1) (groups g0..g1) times panel p into out (ldo apart), as the FMA path's items */
-static void amx_item(const uint16_t *tiles, int64_t groups, const unsigned char *panel, int64_t K,
-                     struct gemm_rows rows, int64_t g0, int64_t g1, float *out, int64_t ldo) {
-    const int64_t blocks = K / Q4_BLOCK, part = groups * blocks * 512;
+#define AMX_SLICE 8  /* blocks whose codes are unpacked at once (8 KB of tiles per panel) */
+
+/* acc[r * 32] += d S[r] + m X[r] for a group's rows: one block's products of one panel, scaled */
+static inline void amx_scale(float *acc, int64_t n, const float *s, const unsigned char *blk,
+                             const float *x, int64_t x_stride) {
+    const __m512 d = _mm512_loadu_ps((const float *)blk), m = _mm512_loadu_ps((const float *)(blk + 64));
+    for (int64_t r = 0; r < n; r++) {
+        float *a = acc + 32 * r;
+        const __m512 offset = _mm512_fmadd_ps(m, _mm512_set1_ps(x[r * x_stride]), _mm512_load_ps(a));
+        _mm512_store_ps(a, _mm512_fmadd_ps(d, _mm512_load_ps(s + 16 * r), offset));
+    }
+}
+
+/* Rows [m0, m1) (groups g0..g1) times two adjacent panels (`pair` of them: 1 or 2) into acc, (rows, 32)
+   fp32 zeroed by the caller. Two panels at a time because a block's three tile products accumulate in
+   one tile, one after the other: the two panels' chains interleave on the tile unit. Per slice of
+   AMX_SLICE blocks the codes are unpacked once for every group; a block's products run while the
+   previous block's are scaled. */
+static void amx_pair(const uint16_t *tiles, int64_t groups, const unsigned char *panel0, int pair, int64_t K,
+                     struct gemm_rows rows, int64_t g0, int64_t g1, float *acc) {
+    const int64_t blocks = K / Q4_BLOCK, part = groups * blocks * 512, panel_bytes = blocks * Q4_BLOCK_BYTES;
     const float *sums = (const float *)(tiles + 3 * part);
-    uint16_t codes[512] __attribute__((aligned(64)));
-    float s[256] __attribute__((aligned(64)));
+    const unsigned char *panel1 = panel0 + (pair > 1 ? panel_bytes : 0);
+    uint16_t codes[2][AMX_SLICE][512] __attribute__((aligned(64)));
+    float s[2][2][256] __attribute__((aligned(64)));
     const int64_t m0 = group_start(g0, rows.base, rows.extra, rows.M);
-    for (int64_t b = 0; b < blocks; b++) {
-        const unsigned char *blk = panel + b * Q4_BLOCK_BYTES;
-        amx_codes_tile(blk, codes);
-        _tile_loadd(4, codes, 64);
-        const __m512 d = _mm512_loadu_ps((const float *)blk), m = _mm512_loadu_ps((const float *)(blk + 64));
+    for (int64_t b0 = 0; b0 < blocks; b0 += AMX_SLICE) {
+        const int64_t nb = blocks - b0 < AMX_SLICE ? blocks - b0 : AMX_SLICE;
+        for (int64_t b = 0; b < nb; b++) {
+            amx_codes_tile(panel0 + (b0 + b) * Q4_BLOCK_BYTES, codes[0][b]);
+            if (pair > 1) amx_codes_tile(panel1 + (b0 + b) * Q4_BLOCK_BYTES, codes[1][b]);
+        }
         for (int64_t g = g0; g < g1; g++) {
-            const uint16_t *a = tiles + (g * blocks + b) * 512;
-            _tile_zero(0);
-            _tile_loadd(1, a, 64);
-            _tile_dpbf16ps(0, 1, 4);
-            _tile_loadd(2, a + part, 64);
-            _tile_dpbf16ps(0, 2, 4);
-            _tile_loadd(3, a + 2 * part, 64);
-            _tile_dpbf16ps(0, 3, 4);
-            _tile_stored(0, s, 64);
             const int64_t gm = group_start(g, rows.base, rows.extra, rows.M);
             const int64_t n = group_start(g + 1, rows.base, rows.extra, rows.M) - gm;
-            for (int64_t r = 0; r < n; r++) {
-                float *o = out + (gm - m0 + r) * ldo;
-                const __m512 x = _mm512_set1_ps(sums[(g * MR + r) * blocks + b]);
-                const __m512 t = _mm512_fmadd_ps(d, _mm512_load_ps(s + 16 * r), _mm512_mul_ps(m, x));
-                _mm512_storeu_ps(o, b ? _mm512_add_ps(_mm512_loadu_ps(o), t) : t);
+            const float *x = sums + g * MR * blocks + b0;
+            float *a0 = acc + (gm - m0) * 32, *a1 = a0 + 16;
+            for (int64_t b = 0; b <= nb; b++) {
+                if (b < nb) {  /* the two panels' products of block b, interleaved */
+                    const uint16_t *a = tiles + (g * blocks + b0 + b) * 512;
+                    _tile_loadd(4, codes[0][b], 64);
+                    _tile_loadd(6, codes[1][b], 64);  /* a lone last panel: stale codes, result unused */
+                    _tile_zero(0);
+                    _tile_zero(5);
+                    _tile_loadd(1, a, 64);
+                    _tile_dpbf16ps(0, 1, 4);
+                    _tile_dpbf16ps(5, 1, 6);
+                    _tile_loadd(2, a + part, 64);
+                    _tile_dpbf16ps(0, 2, 4);
+                    _tile_dpbf16ps(5, 2, 6);
+                    _tile_loadd(3, a + 2 * part, 64);
+                    _tile_dpbf16ps(0, 3, 4);
+                    _tile_dpbf16ps(5, 3, 6);
+                }
+                if (b) {  /* block b - 1's, scaled while block b's products run */
+                    const int64_t k = b - 1;
+                    amx_scale(a0, n, s[k & 1][0], panel0 + (b0 + k) * Q4_BLOCK_BYTES, x + k, blocks);
+                    if (pair > 1)
+                        amx_scale(a1, n, s[k & 1][1], panel1 + (b0 + k) * Q4_BLOCK_BYTES, x + k, blocks);
+                }
+                if (b < nb) {
+                    _tile_stored(0, s[b & 1][0], 64);
+                    _tile_stored(5, s[b & 1][1], 64);
+                }
             }
+        }
+    }
+}
+
+/* Inside a parallel region, after gemm_pack_x: y (M, N) contiguous = x times the 4-bit panels on AMX
+   tiles, plus bias unless NULL; items are (run of groups, pair of panels) */
+static void amx_run(const uint16_t *tiles, const unsigned char *packed, const float *bias, float *y,
+                    int64_t N, int64_t K, struct gemm_rows rows) {
+    amx_config();
+    const int64_t panels = (N + 15) / 16, pairs = (panels + 1) / 2, groups = rows.groups;
+    const int64_t runs = (groups + rows.per_item - 1) / rows.per_item;
+    const int64_t panel_bytes = K / Q4_BLOCK * Q4_BLOCK_BYTES;
+    float acc[GROUPS_PER_ITEM * MR * 32] __attribute__((aligned(64)));
+    #pragma omp for schedule(static)
+    for (int64_t item = 0; item < runs * pairs; item++) {
+        const int64_t g0 = (item / pairs) * rows.per_item, p0 = 2 * (item % pairs);
+        const int64_t g1 = g0 + rows.per_item < groups ? g0 + rows.per_item : groups;
+        const int64_t m0 = group_start(g0, rows.base, rows.extra, rows.M);
+        const int64_t m1 = group_start(g1, rows.base, rows.extra, rows.M);
+        const int pair = p0 + 1 < panels ? 2 : 1;
+        memset(acc, 0, sizeof(float) * 32 * (m1 - m0));
+        amx_pair(tiles, groups, packed + p0 * panel_bytes, pair, K, rows, g0, g1, acc);
+        const int64_t n0 = 16 * p0, width = N - n0 < 32 ? N - n0 : 32;
+        for (int64_t m = m0; m < m1; m++) {
+            float *dst = y + m * N + n0;
+            const float *src = acc + (m - m0) * 32;
+            for (int64_t c = 0; c < width; c++) dst[c] = src[c] + (bias != NULL ? bias[n0 + c] : 0.f);
         }
     }
 }
@@ -472,7 +546,10 @@ static void gemm_run(const float *xp, const void *packed, int format, const floa
     const int q4 = format != PANEL_F32;
     const micro_fn *run = q4 ? micro_q4 : micro;
 #if HAVE_AMX_Q4
-    if (format == PANEL_Q4_AMX) amx_config();
+    if (format == PANEL_Q4_AMX) {
+        amx_run((const uint16_t *)xp, packed, bias, y, N, K, rows);
+        return;
+    }
 #endif
     /* bytes per input and panel; inputs per prefetch (the 4-bit micro kernels prefetch once a pair) */
     const int64_t in_bytes = q4 ? Q4_BLOCK_BYTES / Q4_BLOCK : 64, pf_inputs = q4 ? 2 : 1;
@@ -486,12 +563,6 @@ static void gemm_run(const float *xp, const void *packed, int format, const floa
         float tmp[GROUPS_PER_ITEM * MR * 16];  /* a panel past N: its outputs before the copy */
         float *out = full ? y + m0 * N + n0 : tmp;
         const int64_t ldo = full ? N : 16;
-#if HAVE_AMX_Q4
-        if (format == PANEL_Q4_AMX) {
-            amx_item((const uint16_t *)xp, groups, panel, K, rows, g0, g1, out, ldo);
-            goto epilogue;
-        }
-#endif
         for (int64_t k0 = 0; k0 < K; k0 += IN_BLOCK) {
             const int64_t kc = K - k0 < IN_BLOCK ? K - k0 : IN_BLOCK;
             /* the kc panel rows IN_BLOCK rows ahead in memory (in this panel, then the next one)
@@ -509,9 +580,6 @@ static void gemm_run(const float *xp, const void *packed, int format, const floa
                                                 ahead + (g - g0) * step * (kc / pf_inputs), step);
             }
         }
-#if HAVE_AMX_Q4
-    epilogue:;
-#endif
         const int64_t width = full ? 16 : N - n0;
         for (int64_t m = m0; m < m1; m++) {
             float *dst = y + m * N + n0;

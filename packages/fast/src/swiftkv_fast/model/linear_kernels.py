@@ -1,6 +1,6 @@
 """CPU linear kernels, chosen by measurement at start-up.
 
-Five ways to compute y = x W^T + b for a checkpoint weight W (out_features, in_features):
+Seven ways to compute y = x W^T + b for a checkpoint weight W (out_features, in_features):
 
     linear   F.linear on W as it is, (out, in)
     matmul   torch.mm / addmm on W^T stored contiguous, (in, out)
@@ -8,7 +8,8 @@ Five ways to compute y = x W^T + b for a checkpoint weight W (out_features, in_f
              _linear_pointwise, what Inductor's weight freezing uses on CPU): W reordered once
     panel    our compiled C kernel over W packed in 16-column panels (kernels/cpu_gemm.py; fp32,
              needs a C compiler): 1.1-1.5x oneDNN on a 16-row decode batch with the weights read
-             from memory, on AMD EPYC Zen 3 (AVX2) and Zen 4 (AVX-512)
+             from memory, on AMD EPYC Zen 3 (AVX2) and Zen 4 (AVX-512); a weight that is exactly
+             4-bit blocks (kernels/q4_blocks.py) as 4-bit panels, bit-identical results
     bf16x3   our compiled C kernel on Intel AMX tiles, W split into bf16 hi + lo (kernels/cpu_amx.py):
              PyTorch's "high" float32 matmul precision, so a candidate only when the engine is allowed
              it (EngineConfig.matmul_precision = "high"); about 2x MKL's sgemm at thousands of rows
@@ -16,6 +17,9 @@ Five ways to compute y = x W^T + b for a checkpoint weight W (out_features, in_f
              dequantized 4-bit checkpoint, kernels/q4_blocks.py): exact bf16 products of the codes and
              x split in three, fp32 sums (kernels/cpu_amx_q4.py), so at "highest" too; a candidate
              only for such weights; 1.2-2.2x MKL's sgemm at 256-4,096 rows on a 2-core Xeon
+    panel-amx the panel GEMM's 4-bit panels multiplied on AMX tiles (kernels/cpu_gemm.py; the same
+             exact products and fp32 sums, the same bytes as `panel`'s 4-bit layout, so the decode
+             stack can run it too); a candidate only for 4-bit weights on CPUs with AMX-BF16
 
 Which one is fastest depends on the GEMM library, the CPU and the row count (one layout was 2.3x
 faster than the other on one x86 machine and slower on another), so `LinearKernelChooser` times
@@ -390,7 +394,8 @@ class LinearKernelChooser:
                 self.spare_bytes += nbytes(spare_layout[spare])
         # layers that run fewer rows (SwiftKV's second half: decode rows only) are named apart
         rows = "" if max_rows >= max(self.row_buckets) else f" at <= {max_rows} rows"
-        self.choices[f"{name} ({weight.shape[0]}x{weight.shape[1]}){rows}"] = describe_plan(plan)
+        form = ", 4-bit" if four_bit else ""  # engines over the same shapes in other forms are named apart
+        self.choices[f"{name} ({weight.shape[0]}x{weight.shape[1]}{form}){rows}"] = describe_plan(plan)
         _CHOICES.update(self.choices)
         return KernelChoice(layouts, plan)
 

@@ -125,9 +125,8 @@ def run(args: argparse.Namespace) -> int:
     # at matmul precision "high" the floor may multiply on AMX tiles (bf16x3): fp32 FMAs bound nothing
     fp32_only = engine.matmul_precision() == "highest"
     fma_peak = gemm_floor.fma_peak_gflops() if runners.floor_llms and fp32_only else None
-    # nor do they where a linear of 4-bit blocks multiplies on AMX tiles (q4-amx, exact products)
-    plans = engine.linear_kernels()["linear_kernels"].values()
-    fma_bounds_gemms = not any("q4-amx" in plan for plan in plans)
+    # nor do they where a linear of 4-bit blocks multiplies on AMX tiles (exact products)
+    fma_bounds_gemms = not _four_bit_amx()
     read_gbps = attention_floor.read_gbps() if fma_peak else None
     tables, rows = [], []
     for name in mixes:
@@ -251,6 +250,12 @@ class _Systems:
 
     def get(self, name: str) -> Callable:
         return self.fns[name]
+
+
+def _four_bit_amx() -> bool:
+    """Some linear built in this process multiplies 4-bit weights on AMX tiles (q4-amx, panel-amx)."""
+    plans = engine.linear_kernels()["linear_kernels"].values()
+    return any("q4-amx" in plan or "panel-amx" in plan for plan in plans)
 
 
 @contextlib.contextmanager
@@ -434,10 +439,13 @@ def _table(
             rate = r["gflops_per_second"].median
             share = 100 * rate / peak[best]
             precision = engine.matmul_precision()
+            four_bit = ""
+            if _four_bit_amx():
+                four_bit = " on arbitrary fp32 weights; the AMX kernels for 4-bit weights are not in it"
             t.notes.append(
                 f"{r['system']}: {r['flops'] / 1e9:.0f} GFLOP at {rate:.0f} GFLOP/s, {share:.0f}% of this "
                 f"machine's GEMM peak at float32 matmul precision {precision!r} ({peak[best]:.0f} GFLOP/s: "
-                f"2048^3 through {best})."
+                f"2048^3 through {best}){four_bit}."
             )
         if "hardware_ceiling_vs_hf_generate" in r:
             t.notes.append(

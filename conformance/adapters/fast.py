@@ -325,12 +325,9 @@ class FastCpuStack(Fast):
         return {**super().engine_kwargs(engine), "linear_kernel": "panel"}
 
 
-class FastCpuBf16x3(Fast):
-    """The CPU path at PyTorch's "high" float32 matmul precision: every linear through the AMX bf16x3
-    kernel (kernels/cpu_amx.py), forced rather than timed, so that it runs every case here. It meets
-    the fp32 tolerances: logits within 6.4e-5 of the reference's (Intel Xeon with AMX, 2026-12-04)."""
+class _FastCpuAmx(Fast):
+    """A CPU path through one of the AMX kernels: where the CPU, the compiler and Linux allow them."""
 
-    name = "fast-cpu-bf16x3"
     backend = "torch"
 
     @classmethod
@@ -339,12 +336,20 @@ class FastCpuBf16x3(Fast):
 
         reason = cpu_amx.unavailable_reason()
         if reason is not None:
-            return False, f"the AMX bf16x3 kernel cannot run here ({reason})"
+            return False, f"the AMX kernels cannot run here ({reason})"
         return cls._base_available()
 
     @classmethod
     def device(cls) -> str:
         return "cpu"
+
+
+class FastCpuBf16x3(_FastCpuAmx):
+    """The CPU path at PyTorch's "high" float32 matmul precision: every linear through the AMX bf16x3
+    kernel (kernels/cpu_amx.py), forced rather than timed, so that it runs every case here. It meets
+    the fp32 tolerances: logits within 6.4e-5 of the reference's (Intel Xeon with AMX, 2026-12-04)."""
+
+    name = "fast-cpu-bf16x3"
 
     def engine_kwargs(self, engine: EngineOptions) -> dict[str, Any]:
         return {**super().engine_kwargs(engine), "linear_kernel": "bf16x3", "matmul_precision": "high"}
@@ -379,27 +384,13 @@ class FastCpu4Bit(FastCpuStack):
     weights = "four-bit"
 
 
-class FastCpuQ4Amx(Fast):
+class FastCpuQ4Amx(_FastCpuAmx):
     """The CPU path with every 4-bit linear through the AMX kernel for 4-bit blocks (kernels/cpu_amx_q4.py),
     forced rather than timed, on four-bit weights, at "highest": its products are exact and its sums
     fp32, so it is held to the fp32 rule."""
 
     name = "fast-cpu-q4-amx"
-    backend = "torch"
     weights = "four-bit"
-
-    @classmethod
-    def available(cls) -> tuple[bool, str]:
-        from swiftkv_fast.kernels import cpu_amx
-
-        reason = cpu_amx.unavailable_reason()
-        if reason is not None:
-            return False, f"the AMX kernels cannot run here ({reason})"
-        return cls._base_available()
-
-    @classmethod
-    def device(cls) -> str:
-        return "cpu"
 
     def engine_kwargs(self, engine: EngineOptions) -> dict[str, Any]:
         return {**super().engine_kwargs(engine), "linear_kernel": "q4-amx"}

@@ -125,7 +125,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "--linear-kernel",
         default=default["linear_kernel"],
         choices=list(LINEAR_KERNELS),
-        help="CPU GEMM kernel of the linear layers: auto times them once per machine (cached)",
+        help="CPU GEMM kernel of the linear layers: auto times them once per machine (cached); q4-amx and "
+        "panel-amx run only weights that are exactly 4-bit blocks (a dequantized 4-bit checkpoint), the "
+        "others fall back to F.linear",
     )
     e.add_argument(
         "--matmul-precision",

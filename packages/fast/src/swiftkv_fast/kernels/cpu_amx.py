@@ -50,25 +50,14 @@ MATMUL_PRECISIONS = ("highest", "high")
 TILE_K = 32  # input features per tile (32 bf16: one 64-byte tile row)
 BLOCK = 32  # rows and columns of the 2 x 2 accumulator tiles of one register block
 
-SOURCE = r"""
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+# C helpers shared by the AMX kernels (here, kernels/cpu_amx_q4.py, kernels/cpu_gemm.py); each source
+# includes them inside its own #if on AMX-TILE and AMX-BF16
+AMX_HELPERS = r"""
+#ifndef SWIFTKV_AMX_HELPERS
+#define SWIFTKV_AMX_HELPERS
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-#define TILE 512   /* bf16 values in one tile: 16 rows of 32 */
-#define ROWS_PER_ITEM 256
-
-/* 0 when this process may use the AMX tile state (asked once; Linux keeps it for the process) */
-int swiftkv_amx_enable(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) ? 1 : 0;
-}
+#include <stdint.h>
+#include <string.h>
 
 static inline uint16_t bf16_round(float f) {  /* round to nearest even (inputs are finite) */
     uint32_t u;
@@ -82,6 +71,57 @@ static inline float bf16_value(uint16_t h) {
     float f;
     memcpy(&f, &u, 4);
     return f;
+}
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+};
+
+/* this thread's tiles 0 .. n - 1 as 16 rows of 64 bytes */
+static inline void amx_tile_config(int n) {
+    struct tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < n; t++) {
+        config.bytes_per_row[t] = 64;
+        config.rows[t] = 16;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* the 2 x 2 accumulators (tiles 0-3) += the two x tiles (4, 5) times the two weight tiles (6, 7) */
+#define BLOCK_PRODUCTS()         \
+    do {                         \
+        _tile_dpbf16ps(0, 4, 6); \
+        _tile_dpbf16ps(1, 4, 7); \
+        _tile_dpbf16ps(2, 5, 6); \
+        _tile_dpbf16ps(3, 5, 7); \
+    } while (0)
+#endif
+"""
+
+SOURCE = (
+    r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+"""
+    + AMX_HELPERS
+    + r"""#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define TILE 512   /* bf16 values in one tile: 16 rows of 32 */
+#define ROWS_PER_ITEM 256
+
+/* 0 when this process may use the AMX tile state (asked once; Linux keeps it for the process) */
+int swiftkv_amx_enable(void) {
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) ? 1 : 0;
 }
 
 static inline void split(float v, uint16_t *hi, uint16_t *lo) {
@@ -110,21 +150,6 @@ int swiftkv_amx_pack(const float *w, int64_t ldw, int64_t N, int64_t K, int64_t 
     }
     return 0;
 }
-
-/* the 2 x 2 accumulators (tiles 0-3) += the two x tiles (4, 5) times the two weight tiles (6, 7) */
-#define BLOCK_PRODUCTS()         \
-    do {                         \
-        _tile_dpbf16ps(0, 4, 6); \
-        _tile_dpbf16ps(1, 4, 7); \
-        _tile_dpbf16ps(2, 5, 6); \
-        _tile_dpbf16ps(3, 5, 7); \
-    } while (0)
-
-struct tile_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-};
 
 /* y (M, N) contiguous = x (M, K; rows ldx apart) times the packed W^T, plus bias (N,) unless NULL;
    xh: room for the split x, 2 * ceil(M / 32) * 2 * KB tiles */
@@ -159,14 +184,7 @@ int swiftkv_amx_linear(const float *x, int64_t ldx, int64_t M, int64_t N, int64_
                 }
             }
         }
-        struct tile_config config;
-        memset(&config, 0, sizeof config);
-        config.palette = 1;
-        for (int t = 0; t < 8; t++) {
-            config.bytes_per_row[t] = 64;
-            config.rows[t] = 16;
-        }
-        _tile_loadconfig(&config);
+        amx_tile_config(8);
         float sums[32 * 32];  /* a block's four accumulator tiles, as (32 rows, 32 columns) */
         #pragma omp for schedule(static) collapse(2)
         for (int64_t item = 0; item < items_m; item++) {
@@ -225,6 +243,7 @@ int swiftkv_amx_linear(const float *x, int64_t ldx, int64_t M, int64_t N, int64_
 }
 #endif
 """
+)
 
 _P, _I, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SYMBOLS = {

@@ -37,30 +37,18 @@ from swiftkv_fast.kernels.q4_blocks import Q4_BLOCK, NoFourBitForm, q4_blocks
 TILE_K = 32  # inputs per tile: one block of the 4-bit form
 BLOCK = 32  # rows and columns of a register block
 
-SOURCE = r"""
+SOURCE = (
+    r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <immintrin.h>
-
+"""
+    + cpu_amx.AMX_HELPERS
+    + r"""
 #define TILE 512   /* bf16 values in one tile: 16 rows of 32 */
 #define ROWS_PER_ITEM 256
-
-static inline uint16_t bf16_round(float f) {  /* round to nearest even (inputs are finite) */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float bf16_value(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 /* v = hi + mid + lo exactly: each difference is exact in fp32, the last one has at most 8 bits */
 static inline void split3(float v, uint16_t *hi, uint16_t *mid, uint16_t *lo) {
@@ -71,20 +59,6 @@ static inline void split3(float v, uint16_t *hi, uint16_t *mid, uint16_t *lo) {
     *mid = m;
     *lo = bf16_round(r - bf16_value(m));
 }
-
-#define BLOCK_PRODUCTS()         \
-    do {                         \
-        _tile_dpbf16ps(0, 4, 6); \
-        _tile_dpbf16ps(1, 4, 7); \
-        _tile_dpbf16ps(2, 5, 6); \
-        _tile_dpbf16ps(3, 5, 7); \
-    } while (0)
-
-struct tile_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-};
 
 typedef float vec __attribute__((vector_size(64), aligned(4)));
 
@@ -122,14 +96,7 @@ int swiftkv_amx_q4_linear(const float *x, int64_t ldx, int64_t M, int64_t N, int
                 rs[kb] = s;
             }
         }
-        struct tile_config config;
-        memset(&config, 0, sizeof config);
-        config.palette = 1;
-        for (int t = 0; t < 8; t++) {
-            config.bytes_per_row[t] = 64;
-            config.rows[t] = 16;
-        }
-        _tile_loadconfig(&config);
+        amx_tile_config(8);
         float part[32 * 32];  /* a block of inputs' S, as (32 rows, 32 columns) */
         vec acc[32][2];       /* the register block's y */
         #pragma omp for schedule(static) collapse(2)
@@ -189,6 +156,7 @@ int swiftkv_amx_q4_linear(const float *x, int64_t ldx, int64_t M, int64_t N, int
 }
 #endif
 """
+)
 
 _P, _I, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SYMBOLS = {"swiftkv_amx_q4_linear": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _INT]}

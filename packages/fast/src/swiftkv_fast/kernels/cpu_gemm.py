@@ -316,6 +316,9 @@ static inline int64_t gemm_xp_floats(int64_t M, int64_t K) { return 2 * ((M + MR
 #define GROUP_START(g) group_start(g, rows.base, rows.extra, rows.M)
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && MR == 16
+"""
+    + cpu_amx.AMX_HELPERS
+    + r"""
 /* PANEL_Q4_AMX: the 4-bit panels on AMX tiles, with fp32 products. A code is an integer below 16, exact in
    bf16; an input v is split into bf16 parts hi = bf16(v), mid = bf16(v - hi), lo = bf16(v - hi - mid),
    which sum to v exactly (8 significant bits each; inputs below ~1e-30 lose their last part, which
@@ -324,24 +327,6 @@ static inline int64_t gemm_xp_floats(int64_t M, int64_t K) { return 2 * ((M + MR
    columns, and y += d S + m X, X the block's sum of the row's inputs. A group's parts are tiles of 16
    rows x 32 inputs: (3, groups, K / 32, 16, 32) bf16, then its block sums (groups, 16, K / 32) fp32. */
 #define HAVE_AMX_Q4 1
-struct amx_tile_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-};
-
-/* tiles 0, 5: S of two panels; 1-3: the parts of x; 4, 6: the two panels' codes; 16 rows of 64 bytes */
-static inline void amx_config(void) {
-    struct amx_tile_config config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 7; t++) {
-        config.bytes_per_row[t] = 64;
-        config.rows[t] = 16;
-    }
-    _tile_loadconfig(&config);
-}
-
 static inline __m512 amx_widen(__m256bh h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
 }
@@ -458,7 +443,7 @@ static void amx_pair(const uint16_t *tiles, int64_t groups, const unsigned char 
    tiles, plus bias unless NULL; items are (run of groups, pair of panels) */
 static void amx_run(const uint16_t *tiles, const unsigned char *packed, const float *bias, float *y,
                     int64_t N, int64_t K, struct gemm_rows rows) {
-    amx_config();
+    amx_tile_config(7);  /* tiles 0, 5: S of two panels; 1-3: the parts of x; 4, 6: the panels' codes */
     const int64_t panels = (N + 15) / 16, pairs = (panels + 1) / 2, groups = rows.groups;
     const int64_t runs = (groups + rows.per_item - 1) / rows.per_item;
     const int64_t panel_bytes = K / Q4_BLOCK * Q4_BLOCK_BYTES;

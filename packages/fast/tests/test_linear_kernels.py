@@ -19,7 +19,7 @@ from swiftkv_reference.testing import fp32_atol, random_state_dict, tiny_config
 
 FORCED = [k for k in LINEAR_KERNELS if k != "auto"]
 FP32 = [  # the kernels of fp32 precision that take any weight
-    k for k in FORCED if lk.KERNELS[k].precision == "highest" and not lk.KERNELS[k].four_bit_only
+    k for k in FORCED if lk.KERNELS[k].precision == "highest" and lk.KERNELS[k].forms is None
 ]
 
 
@@ -159,7 +159,7 @@ def test_a_case_timed_on_a_busy_machine_is_timed_again(tmp_path, log):
     assert not ch.busy
     ch.finish()
     cached = json.loads(ch.cache_path.read_text())["times"]
-    assert set(cached) == {ch._shape_key(w, False)}
+    assert set(cached) == {ch._shape_key(w, None)}
 
 
 def test_a_case_disturbed_in_every_try_uses_the_least_disturbed_and_is_not_cached(tmp_path, log):
@@ -183,10 +183,10 @@ def test_a_case_disturbed_in_every_try_uses_the_least_disturbed_and_is_not_cache
     assert busy.choose("o", w_cached, None, 16).plan  # cached: not timed
     assert busy.choose("lm_head", w_busy, None, 16).plan == ((sys.maxsize, "mkldnn"),)
     assert len(tries) == (lk.MAX_TRIES + 1) * 4 * lk.MIN_SAMPLES
-    assert set(busy.busy) == {busy._shape_key(w_busy, False)}
+    assert set(busy.busy) == {busy._shape_key(w_busy, None)}
     busy.finish()
     assert json.loads(busy.cache_path.read_text())["times"] == before  # the busy shape left out
-    assert "the CPU was busy" in log.text and busy._shape_key(w_busy, False) in log.text
+    assert "the CPU was busy" in log.text and busy._shape_key(w_busy, None) in log.text
 
 
 def test_cold_timing_evicts_the_caches_before_every_call_and_is_cached_apart(tmp_path, monkeypatch):

@@ -11,16 +11,22 @@ import torch.nn.functional as F
 from swiftkv_fast import LLM, SamplingParams
 from swiftkv_fast.kernels import cpu_amx, cpu_compile, cpu_gemm
 from swiftkv_fast.kernels.cpu_amx_q4 import Q4AmxWeight
-from swiftkv_fast.kernels.q4_blocks import Q4_BLOCK, NoFourBitForm, q4_blocks, q4_panels
+from swiftkv_fast.kernels.q4_blocks import Q4_BLOCK, NoFourBitForm, q4_blocks, q4_panels, q8_blocks
 from swiftkv_fast.model import linear_kernels as lk
 from swiftkv_fast.model.decode_stack import layer_linears, stack_panel
 from swiftkv_reference.testing import (
     four_bit_state_dict,
     fp32_atol,
     q4_1_dequantized,
+    q8_0_dequantized,
     random_state_dict,
     tiny_config,
 )
+
+
+def q8_0(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return q8_0_dequantized(torch.randn(out_features, in_features, generator=g))
 
 
 def q4_1(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
@@ -128,11 +134,12 @@ def test_4_bit_panels_with_the_fused_prologues(avx512):
 def test_the_switch_keeps_fp32_panels_and_the_timings_apart(monkeypatch, tmp_path):
     w = q4_1(32, 64)
     chooser = lk.LinearKernelChooser("auto", "cpu", (1, 16), cache_dir=tmp_path)
-    assert chooser._four_bit(w) and not chooser._four_bit(torch.randn(32, 64))
-    assert chooser._shape_key(w, True) == "float32 32x64 q4"
-    assert chooser._shape_key(w, False) == "float32 32x64"
+    assert chooser._form(w) == "q4" and chooser._form(torch.randn(32, 64)) is None
+    assert chooser._form(q8_0(32, 64)) == "q8"
+    assert chooser._shape_key(w, "q4") == "float32 32x64 q4"
+    assert chooser._shape_key(w, None) == "float32 32x64"
     monkeypatch.setenv(cpu_gemm.FOUR_BIT_SWITCH, "0")
-    assert not chooser._four_bit(w)
+    assert chooser._form(w) is None
     if cpu_compile.compiler() is not None:
         assert cpu_gemm.PanelWeight(w).format == "fp32"
 
@@ -146,7 +153,9 @@ def test_q4_amx_is_a_candidate_for_four_bit_weights_only(monkeypatch):
             raise NoFourBitForm("no form")
         return w
 
-    monkeypatch.setitem(lk.KERNELS, "q4-amx", lk.LinearKernel("q4-amx", pack, F.linear, four_bit_only=True))
+    monkeypatch.setitem(
+        lk.KERNELS, "q4-amx", lk.LinearKernel("q4-amx", pack, F.linear, forms=frozenset({"q4"}))
+    )
     timer = lambda kernel, rows, call: (call(), 1e-4 if kernel == "q4-amx" else 1e-3)[1]  # noqa: E731
     chooser = lk.LinearKernelChooser("auto", "cpu", (1, 16, 64), timer=timer)
     plain = chooser.choose("plain", torch.randn(48, 64), None, 64)
@@ -190,7 +199,8 @@ def test_q4_amx_engine_gives_the_f_linear_engines_tokens():
             config, state, linear_kernel=kernel, num_key_value_layers=2, max_model_len=64
         )
         got[kernel] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert llm.llm_engine.runner.model.w.lm_head.plan[0][1] == kernel
+        # lm_head is at Q8_0 values, as the GGUF's: not a form q4-amx takes, so F.linear there
+        assert llm.llm_engine.runner.model.w.lm_head.plan[0][1] == "linear"
     assert got["q4-amx"] == got["linear"]
 
 
@@ -220,6 +230,32 @@ def test_4_bit_panels_on_amx_are_an_fp32_product(out_features, in_features):
         cpu_gemm.PanelWeight(torch.randn(32, 64), amx=True)
 
 
+def test_finds_the_blocks_of_a_dequantized_q8_0_weight_and_nothing_else():
+    w = q8_0(40, 96)
+    d, q = q8_blocks(w)
+    assert d.shape == (40, 3) and q.dtype == torch.int8 and int(q.abs().max()) <= 127
+    assert torch.equal(d.repeat_interleave(Q4_BLOCK, 1) * q.float(), w)
+    assert q8_blocks(torch.randn(40, 96)) is None and q8_blocks(q8_0(40, 96)[:, :48]) is None
+    w[1, 2] = torch.nextafter(w[1, 2], torch.tensor(2.0))
+    assert q8_blocks(w) is None
+    assert q4_blocks(q8_0(40, 96)) is None  # 255 levels: not a 4-bit form
+
+
+@amx
+def test_8_bit_panels_on_amx_are_an_fp32_product():
+    """panel-amx over a Q8_0 weight (the embedded model's embedding and tied lm_head): 8-bit panels,
+    the codes exact in bf16, as close to the fp64 product as F.linear."""
+    w = q8_0(1000, 576)
+    tiles = cpu_gemm.PanelWeight(w, amx=True)
+    assert tiles.format == "q8-amx" and cpu_gemm.PanelWeight(w).format == "fp32"
+    assert tiles.nbytes == -(-1000 // 16) * 576 * 20
+    g = torch.Generator().manual_seed(3)
+    for rows in (1, 16, 17, 100):
+        x = torch.randn(rows, 576, generator=g)
+        want = (x.double() @ w.double().T).float()
+        torch.testing.assert_close(tiles.linear(x), want, rtol=0, atol=fp32_atol(want))
+
+
 @amx
 def test_stack_over_4_bit_panels_on_amx_gives_the_references_tokens():
     config = tiny_config(model_type="llama_swiftkv", num_hidden_layers=4, num_key_value_layers=2)
@@ -231,6 +267,7 @@ def test_stack_over_4_bit_panels_on_amx_gives_the_references_tokens():
         llm = LLM.from_state_dict(config, state, linear_kernel=kernel, max_model_len=96, return_logits=True)
         got[kernel] = llm.generate(prompts, params, use_tqdm=False)
         if kernel == "panel-amx":
+            assert llm.llm_engine.runner.model.w.lm_head.layouts["panel-amx"].format == "q8-amx"
             stacks = llm.llm_engine.runner.model.stacks
             assert all(s.calls > 0 for s in stacks)
             formats = {stack_panel(lin).format for s in stacks for x in s.layers for lin in layer_linears(x)}

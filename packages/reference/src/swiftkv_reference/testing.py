@@ -80,17 +80,31 @@ def q4_1_dequantized(w: torch.Tensor, block: int = 32) -> torch.Tensor:
     return (d * q + m).reshape(w.shape)
 
 
+def q8_0_dequantized(w: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """w (out, in) as a Q8_0 checkpoint holds it once dequantized to fp32 (llama.cpp's rule per block of
+    32 inputs: d = max |w| / 127 stored in fp16, codes round(w / d))."""
+    b = w.reshape(w.shape[0], -1, block)
+    d = (b.abs().amax(-1, keepdim=True) / 127).half().float()
+    q = torch.where(d > 0, b / torch.where(d > 0, d, 1.0), 0.0).round().clamp(-127, 127)
+    return (d * q).reshape(w.shape)
+
+
 def four_bit_state_dict(state: dict[str, torch.Tensor], block: int = 32) -> dict[str, torch.Tensor]:
-    """`state` with every linear weight (the projections and lm_head) replaced by its Q4_1 values, as a
-    dequantized 4-bit checkpoint (the embedded GGUF model) holds them; weights whose input width is not
-    a multiple of `block`, the embedding, norms and biases stay as they are."""
-    linear = ("_proj.weight", "_proj_swiftkv.weight", "lm_head.weight")
-    return {
-        k: q4_1_dequantized(v, block)
-        if k.endswith(linear) and v.dim() == 2 and v.shape[1] % block == 0
-        else v
-        for k, v in state.items()
-    }
+    """`state` as a dequantized GGUF Q4_1 checkpoint (the embedded model) holds it: every projection at
+    its Q4_1 values, the embedding and lm_head at their Q8_0 ones; weights whose input width is not a
+    multiple of `block`, norms and biases stay as they are."""
+    four = ("_proj.weight", "_proj_swiftkv.weight")
+    eight = ("lm_head.weight", "embed_tokens.weight")
+
+    def fits(v: torch.Tensor) -> bool:
+        return v.dim() == 2 and v.shape[1] % block == 0
+
+    def quantized(k: str, v: torch.Tensor) -> torch.Tensor:
+        if k.endswith(four) and fits(v):
+            return q4_1_dequantized(v, block)
+        return q8_0_dequantized(v, block) if k.endswith(eight) and fits(v) else v
+
+    return {k: quantized(k, v) for k, v in state.items()}
 
 
 def tiny_model(config: SwiftKVConfig | None = None, seed: int = 0, **overrides):

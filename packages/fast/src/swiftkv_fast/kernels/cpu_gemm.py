@@ -59,8 +59,11 @@ from 64 rows on the fp32 panels are as fast or faster (the unpacking costs FMA-p
 with AMX-BF16 the same bytes can run on the tiles (format PANEL_Q4_AMX, the `panel-amx` candidate):
 each block's codes unpacked to a bf16 tile, x split into three bf16 parts that sum to it exactly, so
 every product is exact and the sums fp32, then y += d S + m X per block; same Xeon, 2 threads: 16
-rows 226-247 against the FMA path's 165-197 GFLOP/s, 64 rows 298-360 against 193-197, 1-4 rows
-slower (each block's unpacking does not depend on the row count).
+rows 277-326 against the FMA path's 172-205 GFLOP/s, 64 rows 438-452 against 201-221, 1-4 rows
+slower (each block's unpacking does not depend on the row count). Weights that are exactly 8-bit blocks
+(d q, GGUF's Q8_0) run there too as 8-bit panels (PANEL_Q8_AMX: d, zeros for m, then the int8 codes of
+each pair of inputs side by side, 20 bytes per input; AMX only): the embedded model's lm_head at 16
+rows 2.6 ms against the fp32 panels' 4.7.
 
 Built at first use by kernels/cpu_compile.py (-O3 -march=native, OpenMP where torch uses it). Without a
 compiler, or with SWIFTKV_CPU_GEMM_KERNEL=0, `PanelWeight` raises RuntimeError and the chooser drops
@@ -77,7 +80,7 @@ import torch
 
 from swiftkv_fast.kernels import cpu_amx, cpu_compile
 from swiftkv_fast.kernels._common import dense_rows
-from swiftkv_fast.kernels.q4_blocks import NoFourBitForm, q4_panels
+from swiftkv_fast.kernels.q4_blocks import NoFourBitForm, q4_panels, q8_panels
 
 ENV_SWITCH = "SWIFTKV_CPU_GEMM_KERNEL"
 FOUR_BIT_SWITCH = "SWIFTKV_CPU_GEMM_4BIT"  # "0": keep every panel in fp32 (for comparisons)
@@ -105,6 +108,10 @@ SOURCE = (
 #define PANEL_F32 0
 #define PANEL_Q4 1
 #define PANEL_Q4_AMX 2  /* the 4-bit panels multiplied on AMX tiles (below) */
+#define PANEL_Q8_AMX 3  /* 8-bit panels (d q per block, GGUF's Q8_0), on AMX tiles only */
+/* an 8-bit panel's block: d[16], m[16] (zeros), then per pair of inputs the 16 columns' two int8 codes */
+#define Q8_BLOCK_BYTES (2 * 16 * 4 + 16 * Q4_BLOCK)
+#define PANEL_AMX(format) ((format) == PANEL_Q4_AMX || (format) == PANEL_Q8_AMX)
 #if defined(__x86_64__)
 #include <immintrin.h>
 /* An accumulator's value as it stands: the 4-bit micro kernels add the inputs of a pair one after the
@@ -370,6 +377,23 @@ static inline void amx_codes_tile(const unsigned char *blk, uint16_t *tile) {
     }
 }
 
+/* an 8-bit panel's block -> its codes as a bf16 tile (exact: integers up to 127) */
+static inline void amx_codes_tile_q8(const unsigned char *blk, uint16_t *tile) {
+    for (int j = 0; j < Q4_BLOCK / 2; j++) {
+        const __m128i *c = (const __m128i *)(blk + 128 + 32 * j);
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(c)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(c + 1)));
+        _mm512_store_si512(tile + 32 * j, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+static inline void amx_unpack(int format, const unsigned char *blk, uint16_t *tile) {
+    if (format == PANEL_Q8_AMX)
+        amx_codes_tile_q8(blk, tile);
+    else
+        amx_codes_tile(blk, tile);
+}
+
 #define AMX_SLICE 8  /* blocks whose codes are unpacked at once (8 KB of tiles per panel) */
 
 /* acc[r * 32] += d S[r] + m X[r] for a group's rows: one block's products of one panel, scaled */
@@ -389,8 +413,9 @@ static inline void amx_scale(float *acc, int64_t n, const float *s, const unsign
    AMX_SLICE blocks the codes are unpacked once for every group; a block's products run while the
    previous block's are scaled. */
 static void amx_pair(const uint16_t *tiles, int64_t groups, const unsigned char *panel0, int pair, int64_t K,
-                     struct gemm_rows rows, int64_t g0, int64_t g1, float *acc) {
-    const int64_t blocks = K / Q4_BLOCK, part = groups * blocks * 512, panel_bytes = blocks * Q4_BLOCK_BYTES;
+                     struct gemm_rows rows, int64_t g0, int64_t g1, float *acc, int format) {
+    const int64_t block_bytes = format == PANEL_Q8_AMX ? Q8_BLOCK_BYTES : Q4_BLOCK_BYTES;
+    const int64_t blocks = K / Q4_BLOCK, part = groups * blocks * 512, panel_bytes = blocks * block_bytes;
     const float *sums = (const float *)(tiles + 3 * part);
     const unsigned char *panel1 = panel0 + (pair > 1 ? panel_bytes : 0);
     uint16_t codes[2][AMX_SLICE][512] __attribute__((aligned(64)));
@@ -399,8 +424,8 @@ static void amx_pair(const uint16_t *tiles, int64_t groups, const unsigned char 
     for (int64_t b0 = 0; b0 < blocks; b0 += AMX_SLICE) {
         const int64_t nb = blocks - b0 < AMX_SLICE ? blocks - b0 : AMX_SLICE;
         for (int64_t b = 0; b < nb; b++) {
-            amx_codes_tile(panel0 + (b0 + b) * Q4_BLOCK_BYTES, codes[0][b]);
-            if (pair > 1) amx_codes_tile(panel1 + (b0 + b) * Q4_BLOCK_BYTES, codes[1][b]);
+            amx_unpack(format, panel0 + (b0 + b) * block_bytes, codes[0][b]);
+            if (pair > 1) amx_unpack(format, panel1 + (b0 + b) * block_bytes, codes[1][b]);
         }
         for (int64_t g = g0; g < g1; g++) {
             const int64_t gm = group_start(g, rows.base, rows.extra, rows.M);
@@ -426,9 +451,9 @@ static void amx_pair(const uint16_t *tiles, int64_t groups, const unsigned char 
                 }
                 if (b) {  /* block b - 1's, scaled while block b's products run */
                     const int64_t k = b - 1;
-                    amx_scale(a0, n, s[k & 1][0], panel0 + (b0 + k) * Q4_BLOCK_BYTES, x + k, blocks);
+                    amx_scale(a0, n, s[k & 1][0], panel0 + (b0 + k) * block_bytes, x + k, blocks);
                     if (pair > 1)
-                        amx_scale(a1, n, s[k & 1][1], panel1 + (b0 + k) * Q4_BLOCK_BYTES, x + k, blocks);
+                        amx_scale(a1, n, s[k & 1][1], panel1 + (b0 + k) * block_bytes, x + k, blocks);
                 }
                 if (b < nb) {
                     _tile_stored(0, s[b & 1][0], 64);
@@ -442,11 +467,11 @@ static void amx_pair(const uint16_t *tiles, int64_t groups, const unsigned char 
 /* Inside a parallel region, after gemm_pack_x: y (M, N) contiguous = x times the 4-bit panels on AMX
    tiles, plus bias unless NULL; items are (run of groups, pair of panels) */
 static void amx_run(const uint16_t *tiles, const unsigned char *packed, const float *bias, float *y,
-                    int64_t N, int64_t K, struct gemm_rows rows) {
+                    int64_t N, int64_t K, struct gemm_rows rows, int format) {
     amx_tile_config(7);  /* tiles 0, 5: S of two panels; 1-3: the parts of x; 4, 6: the panels' codes */
     const int64_t panels = (N + 15) / 16, pairs = (panels + 1) / 2, groups = rows.groups;
     const int64_t runs = (groups + rows.per_item - 1) / rows.per_item;
-    const int64_t panel_bytes = K / Q4_BLOCK * Q4_BLOCK_BYTES;
+    const int64_t panel_bytes = K / Q4_BLOCK * (format == PANEL_Q8_AMX ? Q8_BLOCK_BYTES : Q4_BLOCK_BYTES);
     float acc[GROUPS_PER_ITEM * MR * 32] __attribute__((aligned(64)));
     #pragma omp for schedule(static)
     for (int64_t item = 0; item < runs * pairs; item++) {
@@ -456,7 +481,7 @@ static void amx_run(const uint16_t *tiles, const unsigned char *packed, const fl
         const int64_t m1 = group_start(g1, rows.base, rows.extra, rows.M);
         const int pair = p0 + 1 < panels ? 2 : 1;
         memset(acc, 0, sizeof(float) * 32 * (m1 - m0));
-        amx_pair(tiles, groups, packed + p0 * panel_bytes, pair, K, rows, g0, g1, acc);
+        amx_pair(tiles, groups, packed + p0 * panel_bytes, pair, K, rows, g0, g1, acc, format);
         const int64_t n0 = 16 * p0, width = N - n0 < 32 ? N - n0 : 32;
         for (int64_t m = m0; m < m1; m++) {
             float *dst = y + m * N + n0;
@@ -505,7 +530,7 @@ static void gemm_pack_x(float *x, int64_t ldx, int64_t K, struct gemm_rows rows,
                     for (int64_t k = 0; k < n; k++) c[k] = xr[k];
             }
 #if HAVE_AMX_Q4
-            if (format == PANEL_Q4_AMX) {
+            if (PANEL_AMX(format)) {
                 amx_pack_rows(chunk, g, rows.groups, K, k0, n, (uint16_t *)xp);
                 continue;
             }
@@ -531,8 +556,8 @@ static void gemm_run(const float *xp, const void *packed, int format, const floa
     const int q4 = format != PANEL_F32;
     const micro_fn *run = q4 ? micro_q4 : micro;
 #if HAVE_AMX_Q4
-    if (format == PANEL_Q4_AMX) {
-        amx_run((const uint16_t *)xp, packed, bias, y, N, K, rows);
+    if (PANEL_AMX(format)) {
+        amx_run((const uint16_t *)xp, packed, bias, y, N, K, rows, format);
         return;
     }
 #endif
@@ -654,9 +679,12 @@ class PanelWeight:
             if reason is not None:
                 raise RuntimeError(f"the 4-bit panels cannot run on AMX here ({reason})")
         q4 = q4_panels(weight, PANEL) if compact or amx else None
-        if amx and q4 is None:
-            raise NoFourBitForm(f"a {tuple(weight.shape)} weight that is not exactly 4-bit blocks")
-        self.format = "fp32" if q4 is None else "q4-amx" if amx else "q4"
+        q8 = q8_panels(weight, PANEL) if amx and q4 is None else None
+        if amx and q4 is None and q8 is None:
+            raise NoFourBitForm(f"a {tuple(weight.shape)} weight that is not exactly 4- or 8-bit blocks")
+        self.format = "q8-amx" if q8 is not None else "fp32" if q4 is None else "q4-amx" if amx else "q4"
+        if q8 is not None:
+            q4 = q8  # (panels, in / 32, 640) bytes
         if q4 is not None:
             self.packed = q4  # (panels, in / 32, 384) bytes
         else:
@@ -741,7 +769,7 @@ class PanelWeight:
 
 
 _NONE, _RMS_NORM, _SILU_MUL = 0, 1, 2  # the C kernel's PROLOGUE_* values
-FORMATS = {"fp32": 0, "q4": 1, "q4-amx": 2}  # the C kernel's PANEL_* values
+FORMATS = {"fp32": 0, "q4": 1, "q4-amx": 2, "q8-amx": 3}  # the C kernel's PANEL_* values
 
 
 def _check_rows(name: str, t: torch.Tensor, width: int) -> None:

@@ -16,6 +16,9 @@ round((w - m) / d) = [0, 5, 0, 15]; 0.04998779 * 15 + 0.5 = 1.2498169 != 1.25, s
 the block does not rebuild, and the fp32 scale 0.05 is tried: 0.05 * 5 + 0.5 = 0.75 but 0.05 * 15 is
 0.75000006 in fp32 (not exact), so this row has no exact 4-bit form and the weight stays fp32.
 Dequantized Q4_1 rows rebuild with the fp16 scale they were written with.
+
+`q8_blocks` finds the symmetric 8-bit form the same way (d q per block, codes in [-127, 127], GGUF's
+Q8_0, which the embedded model's embedding and tied lm_head are): the AMX panels take it too.
 """
 
 from __future__ import annotations
@@ -97,3 +100,45 @@ def q4_panels(weight: torch.Tensor, panel: int = 16) -> torch.Tensor | None:
     codes = pairs[..., 0] | (pairs[..., 1] << 4)  # (panels, panel, blocks, pairs)
     codes = codes.permute(0, 2, 3, 1).reshape(panels, blocks, Q4_BLOCK // 2 * panel)
     return torch.cat([by_panel(d), by_panel(m), codes], dim=-1).contiguous()
+
+
+def q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """weight (N, K) fp32 -> (d, q): scales (N, K / Q4_BLOCK) fp32 and codes (N, K) int8 in [-127, 127]
+    with weight == d * q exactly for every block (GGUF's Q8_0: d = max |w| / 127 in fp16), or None. The
+    products are exact: an fp16 d has 11 significant bits, a code 7."""
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[1] % Q4_BLOCK:
+        return None
+    n, k = weight.shape
+    d_all, q_all = torch.empty(n, k // Q4_BLOCK), torch.empty(n, k, dtype=torch.int8)
+    for start in range(0, n, ROWS_PER_CHUNK):
+        b = weight[start : start + ROWS_PER_CHUNK].reshape(-1, k // Q4_BLOCK, Q4_BLOCK)
+        d = (b.abs().amax(-1) / 127).to(torch.float16).float()
+        d_ = d.unsqueeze(-1)
+        q = torch.where(d_ > 0, b / torch.where(d_ > 0, d_, 1.0), 0.0).round().clamp(-127, 127)
+        if not ((d_ * q == b).all() and d.isfinite().all()):
+            return None
+        rows = slice(start, start + b.shape[0])
+        d_all[rows], q_all[rows] = d, q.reshape(-1, k).to(torch.int8)
+    return d_all, q_all
+
+
+Q8_PAIR_BYTES = 2  # an 8-bit panel holds, per pair of inputs and column, the two codes side by side
+
+
+def q8_panels(weight: torch.Tensor, panel: int = 16) -> torch.Tensor | None:
+    """weight (N, K) fp32 in the panel GEMM's 8-bit layout, (ceil(N / panel), K / Q4_BLOCK, bytes) uint8:
+    per panel and block of Q4_BLOCK inputs, the columns' d (fp32), zeros where the 4-bit layout has m,
+    then per pair of inputs the columns' two codes side by side (int8; the order a bf16 tile of
+    TDPBF16PS reads). None where the weight has no exact 8-bit form (`q8_blocks`)."""
+    found = q8_blocks(weight)
+    if found is None:
+        return None
+    d, q = found
+    n, k = q.shape
+    panels, blocks = -(-n // panel), k // Q4_BLOCK
+    pad = panels * panel - n
+    d = torch.nn.functional.pad(d, (0, 0, 0, pad)).view(panels, panel, blocks).transpose(1, 2)
+    d = d.contiguous().view(torch.uint8)
+    q = torch.nn.functional.pad(q, (0, 0, 0, pad)).view(panels, panel, blocks, Q4_BLOCK // 2, 2)
+    codes = q.permute(0, 2, 3, 1, 4).reshape(panels, blocks, Q4_BLOCK * panel).view(torch.uint8)
+    return torch.cat([d, torch.zeros_like(d), codes], dim=-1).contiguous()

@@ -19,7 +19,9 @@ Seven ways to compute y = x W^T + b for a checkpoint weight W (out_features, in_
              only for such weights; 1.2-2.2x MKL's sgemm at 256-4,096 rows on a 2-core Xeon
     panel-amx the panel GEMM's 4-bit panels multiplied on AMX tiles (kernels/cpu_gemm.py; the same
              exact products and fp32 sums, the same bytes as `panel`'s 4-bit layout, so the decode
-             stack can run it too); a candidate only for 4-bit weights on CPUs with AMX-BF16
+             stack can run it too), and 8-bit panels for weights that are exactly 8-bit blocks (GGUF's
+             Q8_0: the embedded model's tied lm_head, 1.8x the fp32 panels at 16 rows); a candidate
+             only for such weights on CPUs with AMX-BF16
 
 Which one is fastest depends on the GEMM library, the CPU and the row count (one layout was 2.3x
 faster than the other on one x86 machine and slower on another), so `LinearKernelChooser` times
@@ -61,7 +63,7 @@ from swiftkv_fast.kernels import cpu_amx, cpu_gemm
 from swiftkv_fast.kernels.cpu_amx import MATMUL_PRECISIONS, Bf16x3Weight
 from swiftkv_fast.kernels.cpu_amx_q4 import Q4AmxWeight
 from swiftkv_fast.kernels.cpu_gemm import PanelWeight
-from swiftkv_fast.kernels.q4_blocks import NoFourBitForm, q4_blocks
+from swiftkv_fast.kernels.q4_blocks import NoFourBitForm, q4_blocks, q8_blocks
 from swiftkv_fast.logger import init_logger
 from swiftkv_fast.model.cpu_contention import ContentionMeter, waited_seconds
 
@@ -79,6 +81,7 @@ CACHE_VERSION = 2
 BUSY_SHARE = 0.1
 MAX_TRIES = 3
 FALLBACK = "linear"  # what a failing forced kernel is replaced by
+FORM_NAMES = {"q4": "4-bit", "q8": "8-bit"}  # the exact block forms of kernels/q4_blocks.py
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,7 @@ class LinearKernel:
     pack: Callable[[torch.Tensor], torch.Tensor]  # W (out, in) -> the kernel's layout of it
     run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]  # (x, layout, bias)
     precision: str = "highest"  # the most precise matmul precision level that permits this kernel
-    four_bit_only: bool = False  # runs only weights that are exactly 4-bit blocks (kernels/q4_blocks.py)
+    forms: frozenset[str] | None = None  # runs only weights of these exact block forms ("q4", "q8"), or any
 
     def permitted(self, precision: str) -> bool:
         """The kernel may run under the matmul precision level `precision` (MATMUL_PRECISIONS)."""
@@ -112,9 +115,14 @@ KERNELS = {
     "mkldnn": LinearKernel("mkldnn", _mkldnn_pack, _mkldnn),
     "panel": LinearKernel("panel", PanelWeight, lambda x, w, bias: w.linear(x, bias)),
     "bf16x3": LinearKernel("bf16x3", Bf16x3Weight, lambda x, w, bias: w.linear(x, bias), precision="high"),
-    "q4-amx": LinearKernel("q4-amx", Q4AmxWeight, lambda x, w, bias: w.linear(x, bias), four_bit_only=True),
+    "q4-amx": LinearKernel(
+        "q4-amx", Q4AmxWeight, lambda x, w, bias: w.linear(x, bias), forms=frozenset({"q4"})
+    ),
     "panel-amx": LinearKernel(
-        "panel-amx", partial(PanelWeight, amx=True), lambda x, w, bias: w.linear(x, bias), four_bit_only=True
+        "panel-amx",
+        partial(PanelWeight, amx=True),
+        lambda x, w, bias: w.linear(x, bias),
+        forms=frozenset({"q4", "q8"}),
     ),
 }
 
@@ -369,15 +377,15 @@ class LinearKernelChooser:
         if not self.on_cpu:
             return KernelChoice.single("linear", weight)
         layouts: dict[str, torch.Tensor] = {}
-        four_bit = self._four_bit(weight)
-        key = self._shape_key(weight, four_bit)
+        form = self._form(weight)
+        key = self._shape_key(weight, form)
         if self.kernel != "auto":
             kernel = self.kernel if self._pack(self.kernel, weight, layouts) else FALLBACK
             plan: tuple[tuple[int, str], ...] = ((sys.maxsize, kernel),)
         else:
             buckets = [b for b in self.row_buckets if b < max_rows]
             buckets.append(next((b for b in self.row_buckets if b >= max_rows), max_rows))
-            times = self._times(key, four_bit, weight, bias, buckets, layouts)
+            times = self._times(key, form, weight, bias, buckets, layouts)
             plan = merge_runs(plan_kernels(times, frozenset({"linear"}) if shared else frozenset()))
         kept = {k for _, k in plan}
         for k in kept - set(layouts):  # chosen from cached timings: packed here
@@ -394,8 +402,8 @@ class LinearKernelChooser:
                 self.spare_bytes += nbytes(spare_layout[spare])
         # layers that run fewer rows (SwiftKV's second half: decode rows only) are named apart
         rows = "" if max_rows >= max(self.row_buckets) else f" at <= {max_rows} rows"
-        form = ", 4-bit" if four_bit else ""  # engines over the same shapes in other forms are named apart
-        self.choices[f"{name} ({weight.shape[0]}x{weight.shape[1]}{form}){rows}"] = describe_plan(plan)
+        bits = f", {FORM_NAMES[form]}" if form else ""  # engines over the same shapes in other forms apart
+        self.choices[f"{name} ({weight.shape[0]}x{weight.shape[1]}{bits}){rows}"] = describe_plan(plan)
         _CHOICES.update(self.choices)
         return KernelChoice(layouts, plan)
 
@@ -434,7 +442,7 @@ class LinearKernelChooser:
         return True
 
     def _times(
-        self, shape: str, four_bit: bool, weight, bias, buckets: list[int], layouts
+        self, shape: str, form: str | None, weight, bias, buckets: list[int], layouts
     ) -> dict[int, dict[str, float]]:
         """{rows: {kernel: best seconds}} for every bucket, measuring the ones the cache lacks. A case
         (one bucket, every kernel) timed while the threads waited for a core (another process busy) is
@@ -445,7 +453,7 @@ class LinearKernelChooser:
             for k, kern in KERNELS.items()
             if k not in self.failed
             and kern.permitted(self.precision)
-            and (four_bit or not kern.four_bit_only)
+            and (kern.forms is None or form in kern.forms)
         ]
         known = self.times.setdefault(shape, {})
         missing = [b for b in buckets if not set(names) <= set(known.get(b, {}))]
@@ -531,15 +539,18 @@ class LinearKernelChooser:
             spare,
         )
 
-    def _four_bit(self, weight: torch.Tensor) -> bool:
-        """W is exactly 4-bit blocks (kernels/q4_blocks.py) and the 4-bit layouts are on: the panel GEMM
-        reads 5.3x fewer bytes, and q4-amx is a candidate."""
+    def _form(self, weight: torch.Tensor) -> str | None:
+        """W's exact block form where the block layouts are on (kernels/q4_blocks.py): "q4" (4-bit d q + m:
+        the panel GEMM reads 5.3x fewer bytes, q4-amx and panel-amx are candidates), "q8" (8-bit d q:
+        panel-amx is), or None."""
         if self.kernel != "auto" or weight.dtype != torch.float32 or not cpu_gemm.four_bit_enabled():
-            return False
-        return q4_blocks(weight) is not None
+            return None
+        if q4_blocks(weight) is not None:
+            return "q4"
+        return "q8" if q8_blocks(weight) is not None else None
 
-    def _shape_key(self, weight: torch.Tensor, four_bit: bool) -> str:
-        """The cache key of a weight's timings: dtype, shape, the 4-bit form, cold."""
-        q4 = " q4" if four_bit else ""
+    def _shape_key(self, weight: torch.Tensor, form: str | None) -> str:
+        """The cache key of a weight's timings: dtype, shape, the block form, cold."""
+        bits = f" {form}" if form else ""
         cold = " cold" if self.cold else ""
-        return f"{str(weight.dtype).removeprefix('torch.')} {weight.shape[0]}x{weight.shape[1]}{q4}{cold}"
+        return f"{str(weight.dtype).removeprefix('torch.')} {weight.shape[0]}x{weight.shape[1]}{bits}{cold}"

@@ -275,3 +275,23 @@ def test_stack_over_4_bit_panels_on_amx_gives_the_references_tokens():
     for a, b in zip(got["panel-amx"], got["linear"]):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         torch.testing.assert_close(a.outputs[0].logits, b.outputs[0].logits, rtol=0, atol=1e-4)
+
+
+def test_a_weights_form_is_found_once_while_the_chooser_holds_it(monkeypatch):
+    from swiftkv_fast.kernels import q4_blocks as blocks
+
+    w, calls = q4_1(32, 64), []
+    original = blocks._fit
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(blocks, "_fit", counting)
+    with blocks.remembered(w):
+        first = q4_blocks(w)
+        assert q4_blocks(w) is first and q4_panels(w) is not None
+        assert q4_blocks(w.clone()) is not first  # another tensor: not remembered
+    assert len(calls) == 2
+    q4_blocks(w)
+    assert len(calls) == 3  # outside the block: found again

@@ -23,11 +23,42 @@ Q8_0, which the embedded model's embedding and tied lm_head are): the AMX panels
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import wraps
+
 import torch
 
 Q4_BLOCK = 32  # inputs per (d, m) pair: the C kernel's Q4_BLOCK
 LEVELS = 15  # codes are 0..15
 ROWS_PER_CHUNK = 4096  # rows examined at once (bounds the temporaries; stops at the first misfit)
+
+
+_memo = threading.local()  # the forms found for one weight while `remembered` holds it
+
+
+@contextmanager
+def remembered(weight: torch.Tensor) -> Iterator[None]:
+    """Within the block, q4_blocks / q8_blocks of this very tensor are computed once (the kernel chooser
+    asks for a weight's form, then each layout it packs asks again)."""
+    _memo.weight, _memo.found = weight, {}
+    try:
+        yield
+    finally:
+        _memo.weight, _memo.found = None, {}
+
+
+def _remember(find):
+    @wraps(find)
+    def cached(weight: torch.Tensor):
+        if getattr(_memo, "weight", None) is not weight:
+            return find(weight)
+        if find.__name__ not in _memo.found:
+            _memo.found[find.__name__] = find(weight)
+        return _memo.found[find.__name__]
+
+    return cached
 
 
 class NoFourBitForm(ValueError):
@@ -50,6 +81,7 @@ def _fit(
     return q, rebuilt.all(-1) & d.isfinite() & lo.isfinite()
 
 
+@_remember
 def q4_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """weight (N, K) fp32 -> (d, m, q): scales and offsets (N, K / Q4_BLOCK) fp32 and codes (N, K) uint8
     with weight == d * q + m exactly for every block, or None where some block has no such form (or K
@@ -102,6 +134,7 @@ def q4_panels(weight: torch.Tensor, panel: int = 16) -> torch.Tensor | None:
     return torch.cat([by_panel(d), by_panel(m), codes], dim=-1).contiguous()
 
 
+@_remember
 def q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """weight (N, K) fp32 -> (d, q): scales (N, K / Q4_BLOCK) fp32 and codes (N, K) int8 in [-127, 127]
     with weight == d * q exactly for every block (GGUF's Q8_0: d = max |w| / 127 in fp16), or None. The

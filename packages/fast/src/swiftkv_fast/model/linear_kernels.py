@@ -63,7 +63,7 @@ from swiftkv_fast.kernels import cpu_amx, cpu_gemm
 from swiftkv_fast.kernels.cpu_amx import MATMUL_PRECISIONS, Bf16x3Weight
 from swiftkv_fast.kernels.cpu_amx_q4 import Q4AmxWeight
 from swiftkv_fast.kernels.cpu_gemm import PanelWeight
-from swiftkv_fast.kernels.q4_blocks import NoFourBitForm, q4_blocks, q8_blocks
+from swiftkv_fast.kernels.q4_blocks import NoFourBitForm, q4_blocks, q8_blocks, remembered
 from swiftkv_fast.logger import init_logger
 from swiftkv_fast.model.cpu_contention import ContentionMeter, waited_seconds
 
@@ -374,6 +374,10 @@ class LinearKernelChooser:
         `spare`: a kernel whose layout is kept too where the plan does not use it, when the kernels are
         chosen by measurement (the decode stack's panel GEMM: model/stack_timing.py times the stack
         against the per-op path, then drops the spare where the stack does not run)."""
+        with remembered(weight):  # its block form is found once, not once per layout packed
+            return self._choose(name, weight, bias, max_rows, shared, spare)
+
+    def _choose(self, name, weight, bias, max_rows, shared, spare) -> KernelChoice:
         if not self.on_cpu:
             return KernelChoice.single("linear", weight)
         layouts: dict[str, torch.Tensor] = {}
@@ -418,7 +422,7 @@ class LinearKernelChooser:
     def _without(self, key, kernel, name, weight, bias, max_rows, shared) -> KernelChoice:
         for t in self.times.get(key, {}).values():
             t.pop(kernel, None)
-        return self.choose(name, weight, bias, max_rows, shared)
+        return self._choose(name, weight, bias, max_rows, shared, None)
 
     def _pack(self, kernel: str, weight: torch.Tensor, layouts: dict[str, torch.Tensor]) -> bool:
         """Packs W for `kernel` into `layouts` and checks one call runs; False (logged once) if not."""

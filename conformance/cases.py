@@ -190,6 +190,8 @@ class Case:
         ]
         if self.impl.weights == "four-bit":
             lines[-1] = f"weights:  swiftkv_reference.testing.four_bit_state_dict({lines[-1][10:]})"
+        elif self.impl.weights == "bf16":
+            lines[-1] += ", every tensor .to(torch.bfloat16).float()"
         if self.engine is not None:
             lines.append(f"engine:   {self.engine}, submitted as waves={self.waves!r}")
         lines.append(f"sampling: {sampling if sampling is not None else self.sampling}")
@@ -219,7 +221,8 @@ class Workbench:
         self.max_runners = max_runners
 
     def model(self, name: str) -> tuple[Any, dict[str, torch.Tensor]]:
-        """A model case's config and weights; "NAME@four-bit": its linear weights at 4-bit values."""
+        """A model case's config and weights; "NAME@four-bit": at a dequantized Q4_1 checkpoint's values;
+        "NAME@bf16": every weight rounded to bf16, as a bf16 checkpoint loaded in fp32."""
         if name not in self._models:
             from swiftkv_reference.testing import four_bit_state_dict, random_state_dict
 
@@ -228,6 +231,8 @@ class Workbench:
             state = random_state_dict(config, seed=WEIGHT_SEED)
             if weights == "four-bit":
                 state = four_bit_state_dict(state)
+            elif weights == "bf16":  # a bf16 checkpoint, loaded as fp32
+                state = {k: v.to(torch.bfloat16).float() for k, v in state.items()}
             elif weights:
                 raise ValueError(f"unknown weights {weights!r} in model case {name!r}")
             self._models[name] = (config, state)

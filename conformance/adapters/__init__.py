@@ -5,6 +5,7 @@ from __future__ import annotations
 from .base import EngineOptions, Implementation, Output, Runner, Sampling
 from .fast import (
     FastCpu4Bit,
+    FastCpuBf16Amx,
     FastCpuBf16x3,
     FastCpuKvBf16,
     FastCpuPanelAmx,
@@ -29,6 +30,7 @@ IMPLEMENTATIONS: dict[str, type[Implementation]] = {
         FastCpu4Bit,
         FastCpuQ4Amx,
         FastCpuPanelAmx,
+        FastCpuBf16Amx,
         FastTriton,
         FastFlash,
         FastCudaGraph,

@@ -116,8 +116,8 @@ class Implementation(ABC):
     interpreted: ClassVar[bool] = False  # slow (Triton interpreter): only the small cases run
     has_engine: ClassVar[bool] = True  # scheduling knobs exist (tests marked `engine` apply)
     lossy_kv_cache: ClassVar[bool] = False  # K/V stored rounded (a bf16 cache under an fp32 model)
-    # the tiny models' weights it runs on, the reference oracle too: "random", or "four-bit" (its linear
-    # weights at a dequantized 4-bit checkpoint's values, for kernels that apply only to those)
+    # the tiny models' weights it runs on, the reference oracle too: "random", "four-bit" (a dequantized
+    # Q4_1 checkpoint's values) or "bf16" (rounded to bf16), for kernels that apply only to those
     weights: ClassVar[str] = "random"
 
     def __init__(self, dtype: torch.dtype):

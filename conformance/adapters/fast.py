@@ -19,6 +19,8 @@ fast-cpu-4bit   fast-cpu-stack on weights that are a dequantized 4-bit checkpoin
                 "four-bit", the reference's too): the panel GEMM keeps them as 4-bit panels
 fast-cpu-q4-amx attention_backend="torch" on CPU with every 4-bit linear through the AMX kernel for them
                 (linear_kernel="q4-amx"; CPUs with AMX-BF16), at "highest", held to the fp32 rule
+fast-cpu-bf16-amx weights exact in bf16 (a bf16 checkpoint loaded as fp32) through the AMX kernel with
+                exact products for them (linear_kernel="bf16-amx"), at "highest", held to the fp32 rule
 fast-cpu-panel-amx the 4-bit panels multiplied on AMX tiles (linear_kernel="panel-amx"), the decode stack
                 included, on four-bit weights, at "highest", held to the fp32 rule
 """
@@ -415,3 +417,14 @@ class FastCpuPanelAmx(FastCpuQ4Amx):
 
     def engine_kwargs(self, engine: EngineOptions) -> dict[str, Any]:
         return {**super().engine_kwargs(engine), "linear_kernel": "panel-amx"}
+
+
+class FastCpuBf16Amx(_FastCpuAmx):
+    """Every linear through the AMX kernel for weights exact in bf16 (kernels/cpu_amx.py, `exact`),
+    forced, on the tiny models' weights rounded to bf16, at "highest": exact products, fp32 sums."""
+
+    name = "fast-cpu-bf16-amx"
+    weights = "bf16"
+
+    def engine_kwargs(self, engine: EngineOptions) -> dict[str, Any]:
+        return {**super().engine_kwargs(engine), "linear_kernel": "bf16-amx"}

@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from swiftkv_fast import LLM, SamplingParams
 from swiftkv_fast.kernels import cpu_amx, cpu_compile, cpu_gemm
+from swiftkv_fast.kernels.cpu_amx import Bf16x3Weight
 from swiftkv_fast.kernels.cpu_amx_q4 import Q4AmxWeight
-from swiftkv_fast.kernels.q4_blocks import Q4_BLOCK, NoFourBitForm, q4_blocks, q4_panels, q8_blocks
+from swiftkv_fast.kernels.q4_blocks import Q4_BLOCK, FormMismatch, bf16_exact, q4_blocks, q4_panels, q8_blocks
 from swiftkv_fast.model import linear_kernels as lk
 from swiftkv_fast.model.decode_stack import layer_linears, stack_panel
 from swiftkv_reference.testing import (
@@ -150,7 +151,7 @@ def test_q4_amx_is_a_candidate_for_four_bit_weights_only(monkeypatch):
 
     def pack(w):
         if q4_blocks(w) is None:
-            raise NoFourBitForm("no form")
+            raise FormMismatch("no form")
         return w
 
     monkeypatch.setitem(
@@ -183,7 +184,7 @@ def test_q4_amx_is_an_fp32_product(out_features, in_features):
         x = torch.randn(rows, in_features, generator=g)
         want = (x.double() @ w.double().T + bias.double()).float()
         torch.testing.assert_close(layout.linear(x, bias), want, rtol=0, atol=fp32_atol(want))
-    with pytest.raises(NoFourBitForm):
+    with pytest.raises(FormMismatch):
         Q4AmxWeight(torch.randn(32, 64))
 
 
@@ -226,7 +227,7 @@ def test_4_bit_panels_on_amx_are_an_fp32_product(out_features, in_features):
         ref = fma.linear_after_norm(h2, delta, norm_weight, 1e-5)
         assert torch.equal(h, h2)
         torch.testing.assert_close(got, ref, rtol=0, atol=fp32_atol(ref))
-    with pytest.raises(NoFourBitForm):
+    with pytest.raises(FormMismatch):
         cpu_gemm.PanelWeight(torch.randn(32, 64), amx=True)
 
 
@@ -295,3 +296,46 @@ def test_a_weights_form_is_found_once_while_the_chooser_holds_it(monkeypatch):
     assert len(calls) == 2
     q4_blocks(w)
     assert len(calls) == 3  # outside the block: found again
+
+
+def test_bf16_exact_weights_are_found_and_nothing_else():
+    w = torch.randn(16, 40).to(torch.bfloat16).float()
+    assert bf16_exact(w) and not bf16_exact(torch.randn(16, 40)) and not bf16_exact(w.to(torch.bfloat16))
+    w[2, 3] = float("inf")
+    assert not bf16_exact(w)
+    chooser = lk.LinearKernelChooser("auto", "cpu", (1, 16))
+    assert chooser._form(torch.randn(16, 64).to(torch.bfloat16).float()) == "bf16"
+
+
+@amx
+@pytest.mark.parametrize("out_features, in_features", [(40, 64), (960, 576), (33, 100)])
+def test_bf16_amx_is_an_fp32_product(out_features, in_features):
+    """bf16-amx: W exact in bf16 as its hi tiles alone, x in three exact parts: as close to the fp64
+    product as F.linear (where bf16x3 drops terms), at half bf16x3's weight bytes."""
+    g = torch.Generator().manual_seed(in_features)
+    w = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16).float()
+    exact, bf16x3 = Bf16x3Weight(w, exact=True), Bf16x3Weight(w)
+    assert 2 * exact.nbytes == bf16x3.nbytes
+    bias = torch.randn(out_features, generator=g)
+    for rows in (1, 17, 300):
+        x = torch.randn(rows, in_features, generator=g)
+        want = (x.double() @ w.double().T + bias.double()).float()
+        torch.testing.assert_close(exact.linear(x, bias), want, rtol=0, atol=2 * fp32_atol(want))
+    with pytest.raises(FormMismatch):
+        Bf16x3Weight(torch.randn(32, 64), exact=True)
+
+
+@amx
+def test_bf16_amx_engine_gives_the_f_linear_engines_tokens():
+    config = tiny_config(num_hidden_layers=3)
+    state = {k: v.to(torch.bfloat16).float() for k, v in random_state_dict(config).items()}
+    prompts = [[5, 6, 7, 8, 9] * 3, [11, 12, 13]]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    got = {}
+    for kernel in ("linear", "bf16-amx"):
+        llm = LLM.from_state_dict(
+            config, state, linear_kernel=kernel, num_key_value_layers=2, max_model_len=64
+        )
+        got[kernel] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.llm_engine.runner.model.w.lm_head.plan[0][1] == kernel
+    assert got["bf16-amx"] == got["linear"]

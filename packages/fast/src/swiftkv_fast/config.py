@@ -27,7 +27,7 @@ DTYPES = {
 # decode attention reads (the torch backend's C kernels read it as fp32)
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32}
 # CPU linear kernels (model/linear_kernels.py): auto = chosen by measurement, or one forced everywhere
-LINEAR_KERNELS = ("auto", "linear", "matmul", "mkldnn", "panel", "bf16x3", "q4-amx", "panel-amx")
+LINEAR_KERNELS = ("auto", "linear", "matmul", "mkldnn", "panel", "bf16x3", "q4-amx", "panel-amx", "bf16-amx")
 
 
 @dataclass

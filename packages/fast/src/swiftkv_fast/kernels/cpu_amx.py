@@ -42,6 +42,7 @@ import torch
 
 from swiftkv_fast.kernels import cpu_compile
 from swiftkv_fast.kernels._common import dense_rows
+from swiftkv_fast.kernels.q4_blocks import FormMismatch, bf16_exact
 
 ENV_SWITCH = "SWIFTKV_CPU_AMX_KERNEL"
 # torch.set_float32_matmul_precision's levels the engine knows (EngineConfig.matmul_precision), most
@@ -71,6 +72,16 @@ static inline float bf16_value(uint16_t h) {
     float f;
     memcpy(&f, &u, 4);
     return f;
+}
+
+/* v = hi + mid + lo exactly: each difference is exact in fp32, the last one has at most 8 bits */
+static inline void split3(float v, uint16_t *hi, uint16_t *mid, uint16_t *lo) {
+    const uint16_t h = bf16_round(v);
+    const float r = v - bf16_value(h);
+    const uint16_t m = bf16_round(r);
+    *hi = h;
+    *mid = m;
+    *lo = bf16_round(r - bf16_value(m));
 }
 
 struct tile_config {
@@ -137,13 +148,17 @@ int swiftkv_amx_pack(const float *w, int64_t ldw, int64_t N, int64_t K, int64_t 
     #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t nb = 0; nb < NB; nb++) {
         for (int64_t kb = 0; kb < KB; kb++) {
-            uint16_t *th = hi + (nb * KB + kb) * TILE, *tl = lo + (nb * KB + kb) * TILE;
+            uint16_t *th = hi + (nb * KB + kb) * TILE, *tl = lo != NULL ? lo + (nb * KB + kb) * TILE : NULL;
             for (int n = 0; n < 16; n++) {
                 const int64_t row = nb * 16 + n;
                 for (int k = 0; k < 32; k++) {
                     const int64_t col = kb * 32 + k;
                     const float v = row < N && col < K ? w[row * ldw + col] : 0.f;
-                    split(v, th + (k / 2) * 32 + 2 * n + k % 2, tl + (k / 2) * 32 + 2 * n + k % 2);
+                    const int64_t at = (k / 2) * 32 + 2 * n + k % 2;
+                    if (lo != NULL)
+                        split(v, th + at, tl + at);
+                    else
+                        th[at] = bf16_round(v);  /* a weight exact in bf16: hi alone */
                 }
             }
         }
@@ -158,29 +173,35 @@ int swiftkv_amx_linear(const float *x, int64_t ldx, int64_t M, int64_t N, int64_
                        int num_threads) {
     const int64_t MB = (M + 31) / 32 * 2, NP = (N + 31) / 32;
     const int64_t items_m = (M + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
-    uint16_t *xl = xh + MB * KB * TILE;
+    /* lo NULL: W is exact in bf16 (hi alone), x splits in three (hi, mid in xl, lo in xl2), every
+       product x_part w exact: fp32 arithmetic; else bf16x3 */
+    const int exact = lo == NULL;
+    uint16_t *xl = xh + MB * KB * TILE, *xl2 = xl + MB * KB * TILE;
     #pragma omp parallel num_threads(num_threads)
     {
         /* x -> (MB, KB, 16, 32) hi and lo tiles, zeros past M and K */
         const int64_t full = K / 32;  /* blocks of 32 features inside K: split without a test per value */
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < MB * 16; r++) {
-            uint16_t *rh = xh + (r / 16) * KB * TILE + (r % 16) * 32, *rl = xl + (rh - xh);
+            uint16_t *rh = xh + (r / 16) * KB * TILE + (r % 16) * 32;
+            uint16_t *rl = xl + (rh - xh), *rl2 = xl2 + (rh - xh);
             if (r >= M) {
                 for (int64_t kb = 0; kb < KB; kb++) {
                     memset(rh + kb * TILE, 0, 64);
                     memset(rl + kb * TILE, 0, 64);
+                    if (exact) memset(rl2 + kb * TILE, 0, 64);
                 }
                 continue;
             }
             const float *xr = x + r * ldx;
-            for (int64_t kb = 0; kb < full; kb++) {
-                for (int k = 0; k < 32; k++) split(xr[kb * 32 + k], rh + kb * TILE + k, rl + kb * TILE + k);
-            }
-            for (int64_t kb = full; kb < KB; kb++) {
+            for (int64_t kb = 0; kb < KB; kb++) {
                 for (int k = 0; k < 32; k++) {
-                    const int64_t col = kb * 32 + k;
-                    split(col < K ? xr[col] : 0.f, rh + kb * TILE + k, rl + kb * TILE + k);
+                    const int64_t col = kb * 32 + k, at = kb * TILE + k;
+                    const float v = kb < full || col < K ? xr[col] : 0.f;
+                    if (exact)
+                        split3(v, rh + at, rl + at, rl2 + at);
+                    else
+                        split(v, rh + at, rl + at);
                 }
             }
         }
@@ -195,6 +216,7 @@ int swiftkv_amx_linear(const float *x, int64_t ldx, int64_t M, int64_t N, int64_
                 for (int64_t m = item * ROWS_PER_ITEM; m < m_end; m += 32) {
                     const uint16_t *ah0 = xh + (m / 16) * KB * TILE, *ah1 = ah0 + KB * TILE;
                     const uint16_t *al0 = xl + (m / 16) * KB * TILE, *al1 = al0 + KB * TILE;
+                    const uint16_t *am0 = xl2 + (m / 16) * KB * TILE, *am1 = am0 + KB * TILE;
                     _tile_zero(0);
                     _tile_zero(1);
                     _tile_zero(2);
@@ -208,7 +230,13 @@ int swiftkv_amx_linear(const float *x, int64_t ldx, int64_t M, int64_t N, int64_
                         BLOCK_PRODUCTS();  /* x_hi w_hi */
                         _tile_loadd(4, al0 + o, 64);
                         _tile_loadd(5, al1 + o, 64);
-                        BLOCK_PRODUCTS();  /* x_lo w_hi */
+                        BLOCK_PRODUCTS();  /* x_lo w_hi (exact: x_mid w) */
+                        if (exact) {
+                            _tile_loadd(4, am0 + o, 64);
+                            _tile_loadd(5, am1 + o, 64);
+                            BLOCK_PRODUCTS();  /* x_lo w */
+                            continue;
+                        }
                         _tile_loadd(4, ah0 + o, 64);
                         _tile_loadd(5, ah1 + o, 64);
                         _tile_loadd(6, bl0 + o, 64);
@@ -285,9 +313,14 @@ def _tile_permission() -> int:
 
 class Bf16x3Weight:
     """W (out, in) fp32 split into bf16 hi and lo tiles for `linear`; `out_features` / `in_features` as
-    W's. Raises RuntimeError where the kernel cannot run (see `unavailable_reason`)."""
+    W's. Raises RuntimeError where the kernel cannot run (see `unavailable_reason`).
 
-    def __init__(self, weight: torch.Tensor):
+    `exact`: W's values are exact in bf16 (a bf16 checkpoint loaded as fp32; else FormMismatch), so W is
+    its hi tiles alone (half the bytes) and x is split in three parts that sum to it exactly: every
+    product is exact and the sums fp32, fp32 arithmetic at the "highest" precision (the `bf16-amx`
+    candidate), for the same three tile products per block as bf16x3."""
+
+    def __init__(self, weight: torch.Tensor, exact: bool = False):
         reason = unavailable_reason()
         if reason is not None:
             raise RuntimeError(f"the AMX bf16x3 kernel is unavailable here ({reason})")
@@ -298,8 +331,11 @@ class Bf16x3Weight:
         self.out_features, self.in_features = weight.shape
         self._k_blocks = -(-self.in_features // TILE_K)
         n_blocks = -(-self.out_features // BLOCK) * 2  # 16-column tiles, in pairs
+        if exact and not bf16_exact(weight):
+            raise FormMismatch(f"a {tuple(weight.shape)} weight whose values are not all exact in bf16")
+        self.exact = exact
         self.hi = torch.empty(n_blocks, self._k_blocks, 16, TILE_K, dtype=torch.int16)  # bf16 bits
-        self.lo = torch.empty_like(self.hi)
+        self.lo = None if exact else torch.empty_like(self.hi)
         self._functions = _functions()
         self._functions["swiftkv_amx_pack"](
             weight.data_ptr(),
@@ -309,13 +345,13 @@ class Bf16x3Weight:
             n_blocks,
             self._k_blocks,
             self.hi.data_ptr(),
-            self.lo.data_ptr(),
+            None if self.lo is None else self.lo.data_ptr(),
             torch.get_num_threads(),
         )
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.hi.numel() * self.hi.element_size()
+        return (1 if self.lo is None else 2) * self.hi.numel() * self.hi.element_size()
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x (..., in) fp32 -> (..., out)."""
@@ -324,6 +360,7 @@ class Bf16x3Weight:
             bias = bias.to(torch.float32).contiguous()
         rows = x2.shape[0]
         y = torch.empty(rows, self.out_features)
+        parts = 3 if self.exact else 2  # x split in three (exact) or two (bf16x3)
         if rows:
             self._functions["swiftkv_amx_linear"](
                 x2.data_ptr(),
@@ -333,10 +370,10 @@ class Bf16x3Weight:
                 self.in_features,
                 self._k_blocks,
                 self.hi.data_ptr(),
-                self.lo.data_ptr(),
+                None if self.lo is None else self.lo.data_ptr(),
                 None if bias is None else bias.data_ptr(),
                 y.data_ptr(),
-                _split_buffer(2 * -(-rows // BLOCK) * 2 * self._k_blocks * 16 * TILE_K).data_ptr(),
+                _split_buffer(parts * -(-rows // BLOCK) * 2 * self._k_blocks * 16 * TILE_K).data_ptr(),
                 torch.get_num_threads(),
             )
         return y.view(*x.shape[:-1], self.out_features)

@@ -32,7 +32,7 @@ import torch
 
 from swiftkv_fast.kernels import cpu_amx, cpu_compile
 from swiftkv_fast.kernels._common import dense_rows
-from swiftkv_fast.kernels.q4_blocks import Q4_BLOCK, NoFourBitForm, q4_blocks
+from swiftkv_fast.kernels.q4_blocks import Q4_BLOCK, FormMismatch, q4_blocks
 
 TILE_K = 32  # inputs per tile: one block of the 4-bit form
 BLOCK = 32  # rows and columns of a register block
@@ -49,16 +49,6 @@ SOURCE = (
     + r"""
 #define TILE 512   /* bf16 values in one tile: 16 rows of 32 */
 #define ROWS_PER_ITEM 256
-
-/* v = hi + mid + lo exactly: each difference is exact in fp32, the last one has at most 8 bits */
-static inline void split3(float v, uint16_t *hi, uint16_t *mid, uint16_t *lo) {
-    const uint16_t h = bf16_round(v);
-    const float r = v - bf16_value(h);
-    const uint16_t m = bf16_round(r);
-    *hi = h;
-    *mid = m;
-    *lo = bf16_round(r - bf16_value(m));
-}
 
 typedef float vec __attribute__((vector_size(64), aligned(4)));
 
@@ -165,7 +155,7 @@ _scratch = threading.local()  # per thread, the split x and its block sums, grow
 
 class Q4AmxWeight:
     """W (out, in) fp32 with an exact 4-bit form, as bf16 code tiles and fp32 d, m for `linear`.
-    Raises NoFourBitForm for a weight without one, RuntimeError where AMX cannot run here."""
+    Raises FormMismatch for a weight without one, RuntimeError where AMX cannot run here."""
 
     def __init__(self, weight: torch.Tensor):
         reason = cpu_amx.unavailable_reason()
@@ -173,7 +163,7 @@ class Q4AmxWeight:
             raise RuntimeError(f"the AMX kernels are unavailable here ({reason})")
         found = q4_blocks(weight)
         if found is None:
-            raise NoFourBitForm(f"a {tuple(weight.shape)} weight that is not exactly 4-bit blocks")
+            raise FormMismatch(f"a {tuple(weight.shape)} weight that is not exactly 4-bit blocks")
         d, m, q = found
         self.out_features, self.in_features = weight.shape
         self._k_blocks = self.in_features // Q4_BLOCK

@@ -77,7 +77,7 @@ import torch
 
 from swiftkv_fast.kernels import cpu_amx, cpu_compile, cpu_gemm_amx
 from swiftkv_fast.kernels._common import dense_rows
-from swiftkv_fast.kernels.q4_blocks import NoFourBitForm, q4_panels, q8_panels
+from swiftkv_fast.kernels.q4_blocks import FormMismatch, q4_panels, q8_panels
 
 ENV_SWITCH = "SWIFTKV_CPU_GEMM_KERNEL"
 FOUR_BIT_SWITCH = "SWIFTKV_CPU_GEMM_4BIT"  # "0": keep every panel in fp32 (for comparisons)
@@ -481,7 +481,7 @@ class PanelWeight:
     `compact`: where W is exactly a 4-bit block-quantized weight (kernels/q4_blocks.py), keep it in the
     4-bit layout (`format` "q4"; the results are bit-identical to the fp32 layout's, `format` "fp32");
     None: unless SWIFTKV_CPU_GEMM_4BIT=0. `amx`: multiply the 4-bit panels on AMX tiles (`format`
-    "q4-amx": exact products, fp32 sums; the same bytes); raises NoFourBitForm where W has no 4-bit
+    "q4-amx": exact products, fp32 sums; the same bytes); raises FormMismatch where W has no 4-bit
     form, RuntimeError where AMX cannot run here."""
 
     def __init__(
@@ -508,7 +508,7 @@ class PanelWeight:
         q4 = q4_panels(weight, PANEL) if compact or amx else None
         q8 = q8_panels(weight, PANEL) if amx and q4 is None else None
         if amx and q4 is None and q8 is None:
-            raise NoFourBitForm(f"a {tuple(weight.shape)} weight that is not exactly 4- or 8-bit blocks")
+            raise FormMismatch(f"a {tuple(weight.shape)} weight that is not exactly 4- or 8-bit blocks")
         self.format = "q8-amx" if q8 is not None else "fp32" if q4 is None else "q4-amx" if amx else "q4"
         if q8 is not None:
             q4 = q8  # (panels, in / 32, 640) bytes

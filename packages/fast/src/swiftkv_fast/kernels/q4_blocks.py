@@ -61,8 +61,18 @@ def _remember(find):
     return cached
 
 
-class NoFourBitForm(ValueError):
-    """A weight is not exactly 4-bit blocks: a kernel for them does not apply (other weights may)."""
+class FormMismatch(ValueError):
+    """A weight is not of the exact form a kernel takes (4- or 8-bit blocks, bf16 values): the kernel
+    does not apply to it (other weights may)."""
+
+
+def bf16_exact(weight: torch.Tensor) -> bool:
+    """Every value of the fp32 weight is exact in bf16 (its low 16 bits zero) and finite: a bf16
+    checkpoint loaded as fp32."""
+    if weight.dtype != torch.float32 or weight.numel() == 0:
+        return False
+    bits = weight.contiguous().view(torch.int32)
+    return bool((bits & 0xFFFF).eq(0).all() and weight.isfinite().all())
 
 
 def _fit(

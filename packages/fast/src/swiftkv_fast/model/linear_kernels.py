@@ -1,6 +1,6 @@
 """CPU linear kernels, chosen by measurement at start-up.
 
-Seven ways to compute y = x W^T + b for a checkpoint weight W (out_features, in_features):
+Eight ways to compute y = x W^T + b for a checkpoint weight W (out_features, in_features):
 
     linear   F.linear on W as it is, (out, in)
     matmul   torch.mm / addmm on W^T stored contiguous, (in, out)
@@ -17,6 +17,9 @@ Seven ways to compute y = x W^T + b for a checkpoint weight W (out_features, in_
              dequantized 4-bit checkpoint, kernels/q4_blocks.py): exact bf16 products of the codes and
              x split in three, fp32 sums (kernels/cpu_amx_q4.py), so at "highest" too; a candidate
              only for such weights; 1.2-2.2x MKL's sgemm at 256-4,096 rows on a 2-core Xeon
+    bf16-amx the bf16x3 kernel's machinery for a weight whose values are exact in bf16 (a bf16
+             checkpoint loaded as fp32): W as bf16 tiles alone, x split in three exact parts, so every
+             product is exact and the sums fp32, at "highest"; a candidate only for such weights
     panel-amx the panel GEMM's 4-bit panels multiplied on AMX tiles (kernels/cpu_gemm.py; the same
              exact products and fp32 sums, the same bytes as `panel`'s 4-bit layout, so the decode
              stack can run it too), and 8-bit panels for weights that are exactly 8-bit blocks (GGUF's
@@ -63,7 +66,7 @@ from swiftkv_fast.kernels import cpu_amx, cpu_gemm
 from swiftkv_fast.kernels.cpu_amx import MATMUL_PRECISIONS, Bf16x3Weight
 from swiftkv_fast.kernels.cpu_amx_q4 import Q4AmxWeight
 from swiftkv_fast.kernels.cpu_gemm import PanelWeight
-from swiftkv_fast.kernels.q4_blocks import NoFourBitForm, q4_blocks, q8_blocks, remembered
+from swiftkv_fast.kernels.q4_blocks import FormMismatch, bf16_exact, q4_blocks, q8_blocks, remembered
 from swiftkv_fast.logger import init_logger
 from swiftkv_fast.model.cpu_contention import ContentionMeter, waited_seconds
 
@@ -81,7 +84,7 @@ CACHE_VERSION = 2
 BUSY_SHARE = 0.1
 MAX_TRIES = 3
 FALLBACK = "linear"  # what a failing forced kernel is replaced by
-FORM_NAMES = {"q4": "4-bit", "q8": "8-bit"}  # the exact block forms of kernels/q4_blocks.py
+FORM_NAMES = {"q4": "4-bit", "q8": "8-bit", "bf16": "bf16"}  # the exact forms of kernels/q4_blocks.py
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,12 @@ KERNELS = {
     "bf16x3": LinearKernel("bf16x3", Bf16x3Weight, lambda x, w, bias: w.linear(x, bias), precision="high"),
     "q4-amx": LinearKernel(
         "q4-amx", Q4AmxWeight, lambda x, w, bias: w.linear(x, bias), forms=frozenset({"q4"})
+    ),
+    "bf16-amx": LinearKernel(
+        "bf16-amx",
+        partial(Bf16x3Weight, exact=True),
+        lambda x, w, bias: w.linear(x, bias),
+        forms=frozenset({"bf16"}),
     ),
     "panel-amx": LinearKernel(
         "panel-amx",
@@ -432,7 +441,7 @@ class LinearKernelChooser:
             layout = KERNELS[kernel].pack(weight)
             with torch.inference_mode():
                 KERNELS[kernel].run(weight.new_zeros(1, weight.shape[1]), layout, None)
-        except NoFourBitForm:  # this weight only (a forced q4-amx: the others may have the form)
+        except FormMismatch:  # this weight only (a forced q4-amx: the others may have the form)
             return False
         except Exception as e:  # a private op: missing in this torch, or unsupported here
             if kernel == FALLBACK:
@@ -544,14 +553,16 @@ class LinearKernelChooser:
         )
 
     def _form(self, weight: torch.Tensor) -> str | None:
-        """W's exact block form where the block layouts are on (kernels/q4_blocks.py): "q4" (4-bit d q + m:
-        the panel GEMM reads 5.3x fewer bytes, q4-amx and panel-amx are candidates), "q8" (8-bit d q:
-        panel-amx is), or None."""
+        """W's exact form where those layouts are on (kernels/q4_blocks.py): "q4" (4-bit d q + m: the panel
+        GEMM reads 5.3x fewer bytes, q4-amx and panel-amx are candidates), "q8" (8-bit d q: panel-amx
+        is), "bf16" (values exact in bf16, a bf16 checkpoint: bf16-amx is), or None."""
         if self.kernel != "auto" or weight.dtype != torch.float32 or not cpu_gemm.four_bit_enabled():
             return None
         if q4_blocks(weight) is not None:
             return "q4"
-        return "q8" if q8_blocks(weight) is not None else None
+        if q8_blocks(weight) is not None:
+            return "q8"
+        return "bf16" if bf16_exact(weight) else None
 
     def _shape_key(self, weight: torch.Tensor, form: str | None) -> str:
         """The cache key of a weight's timings: dtype, shape, the block form, cold."""

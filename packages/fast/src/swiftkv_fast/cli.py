@@ -125,9 +125,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "--linear-kernel",
         default=default["linear_kernel"],
         choices=list(LINEAR_KERNELS),
-        help="CPU GEMM kernel of the linear layers: auto times them once per machine (cached); q4-amx and "
-        "panel-amx run only weights that are exactly 4-bit blocks (a dequantized 4-bit checkpoint), the "
-        "others fall back to F.linear",
+        help="CPU GEMM kernel of the linear layers: auto times them once per machine (cached); q4-amx, "
+        "panel-amx and bf16-amx run only weights of the exact form they take (a dequantized 4- or 8-bit "
+        "checkpoint; values exact in bf16), the others fall back to F.linear",
     )
     e.add_argument(
         "--matmul-precision",

@@ -188,21 +188,29 @@ def test_q4_amx_is_an_fp32_product(out_features, in_features):
         Q4AmxWeight(torch.randn(32, 64))
 
 
+def forced_engine_tokens(state_of, kernel: str) -> tuple[list[list[int]], str]:
+    """Greedy tokens of a 3-layer tiny model (SwiftKV L = 2) whose weights `state_of` makes from random
+    ones, every linear forced to `kernel`, and the kernel its lm_head got."""
+    config = tiny_config(num_hidden_layers=3)
+    llm = LLM.from_state_dict(
+        config,
+        state_of(random_state_dict(config)),
+        linear_kernel=kernel,
+        num_key_value_layers=2,
+        max_model_len=64,
+    )
+    outputs = llm.generate(
+        [[5, 6, 7, 8, 9] * 3, [11, 12, 13]], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False
+    )
+    return [o.outputs[0].token_ids for o in outputs], llm.llm_engine.runner.model.w.lm_head.plan[0][1]
+
+
 @amx
 def test_q4_amx_engine_gives_the_f_linear_engines_tokens():
-    config = tiny_config(num_hidden_layers=3)
-    state = four_bit_state_dict(random_state_dict(config))
-    prompts = [[5, 6, 7, 8, 9] * 3, [11, 12, 13]]
-    params = SamplingParams(temperature=0, max_tokens=6)
-    got = {}
-    for kernel in ("linear", "q4-amx"):
-        llm = LLM.from_state_dict(
-            config, state, linear_kernel=kernel, num_key_value_layers=2, max_model_len=64
-        )
-        got[kernel] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        # lm_head is at Q8_0 values, as the GGUF's: not a form q4-amx takes, so F.linear there
-        assert llm.llm_engine.runner.model.w.lm_head.plan[0][1] == "linear"
-    assert got["q4-amx"] == got["linear"]
+    tokens, lm_head = forced_engine_tokens(four_bit_state_dict, "q4-amx")
+    # lm_head is at Q8_0 values, as the GGUF's: not a form q4-amx takes, so F.linear there
+    assert lm_head == "linear"
+    assert tokens == forced_engine_tokens(four_bit_state_dict, "linear")[0]
 
 
 @amx
@@ -327,15 +335,9 @@ def test_bf16_amx_is_an_fp32_product(out_features, in_features):
 
 @amx
 def test_bf16_amx_engine_gives_the_f_linear_engines_tokens():
-    config = tiny_config(num_hidden_layers=3)
-    state = {k: v.to(torch.bfloat16).float() for k, v in random_state_dict(config).items()}
-    prompts = [[5, 6, 7, 8, 9] * 3, [11, 12, 13]]
-    params = SamplingParams(temperature=0, max_tokens=6)
-    got = {}
-    for kernel in ("linear", "bf16-amx"):
-        llm = LLM.from_state_dict(
-            config, state, linear_kernel=kernel, num_key_value_layers=2, max_model_len=64
-        )
-        got[kernel] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert llm.llm_engine.runner.model.w.lm_head.plan[0][1] == kernel
-    assert got["bf16-amx"] == got["linear"]
+    def bf16(state):
+        return {k: v.to(torch.bfloat16).float() for k, v in state.items()}
+
+    tokens, lm_head = forced_engine_tokens(bf16, "bf16-amx")
+    assert lm_head == "bf16-amx"
+    assert tokens == forced_engine_tokens(bf16, "linear")[0]

@@ -33,7 +33,6 @@ of a step's time in each (every step, and decode steps alone) in a table and in 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import random
@@ -42,6 +41,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from bench import attention_floor, engine, gemm_floor, hf_baseline, report, step_profile
 from bench.harness import Sample, Stats, paired_ratio, run_interleaved
@@ -72,7 +72,12 @@ DEFAULT_SYSTEMS = [
 KV_BF16_SYSTEMS = {"fast-off-kv-bf16": "fast-off", "fast-on-kv-bf16": "fast-on"}
 # the engine with its weights in fp32 layouts only (SWIFTKV_CPU_GEMM_4BIT=0): the 4-bit layouts' gain
 FP32_WEIGHTS_SYSTEMS = {"fast-off-fp32-weights": "fast-off", "fast-on-fp32-weights": "fast-on"}
-SYSTEMS = [*DEFAULT_SYSTEMS, *KV_BF16_SYSTEMS, *FP32_WEIGHTS_SYSTEMS]
+# every such variant: name -> (the engine system it varies, its build kwargs, its environment at build)
+VARIANT_SYSTEMS = {
+    **{name: (base, {"kv_cache_dtype": "bfloat16"}, {}) for name, base in KV_BF16_SYSTEMS.items()},
+    **{name: (base, {}, {"SWIFTKV_CPU_GEMM_4BIT": "0"}) for name, base in FP32_WEIGHTS_SYSTEMS.items()},
+}
+SYSTEMS = [*DEFAULT_SYSTEMS, *VARIANT_SYSTEMS]
 BASELINE = "hf-generate"
 
 
@@ -218,15 +223,10 @@ class _Systems:
             if "gemm-floor-on" in wanted:
                 self.fns["gemm-floor-on"] = lambda p, n: gemm_floor.run(on, p, n)
                 self.floor_llms["gemm-floor-on"] = on
-        for name in set(KV_BF16_SYSTEMS) & set(wanted):
-            layers = self.on_layers if KV_BF16_SYSTEMS[name] == "fast-on" else None
-            llm = engine.build_llm(layers, kv_cache_dtype="bfloat16")
-            self.fns[name] = lambda p, n, llm=llm: engine.run_batch(llm, p, n, temperature=temperature)
-            self.llms[name] = llm
-        for name in set(FP32_WEIGHTS_SYSTEMS) & set(wanted):
-            layers = self.on_layers if FP32_WEIGHTS_SYSTEMS[name] == "fast-on" else None
-            with _env(cpu_gemm_four_bit="0"):
-                llm = engine.build_llm(layers)
+        for name in [s for s in VARIANT_SYSTEMS if s in wanted]:
+            base, kwargs, env = VARIANT_SYSTEMS[name]
+            with mock.patch.dict(os.environ, env):  # what the engine reads while it chooses its layouts
+                llm = engine.build_llm(self.on_layers if base == "fast-on" else None, **kwargs)
             self.fns[name] = lambda p, n, llm=llm: engine.run_batch(llm, p, n, temperature=temperature)
             self.llms[name] = llm
         if {"hf-generate", "hf-generate-batch"} & set(wanted):
@@ -256,21 +256,6 @@ def _four_bit_amx() -> bool:
     """Some linear built in this process multiplies 4-bit weights on AMX tiles (q4-amx, panel-amx)."""
     plans = engine.linear_kernels()["linear_kernels"].values()
     return any("q4-amx" in plan or "panel-amx" in plan for plan in plans)
-
-
-@contextlib.contextmanager
-def _env(cpu_gemm_four_bit: str):
-    """SWIFTKV_CPU_GEMM_4BIT set while an engine is built (its layouts are chosen then)."""
-    name = "SWIFTKV_CPU_GEMM_4BIT"
-    before = os.environ.get(name)
-    os.environ[name] = cpu_gemm_four_bit
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name)
-        else:
-            os.environ[name] = before
 
 
 def _systems(wanted: list[str], temperature: float = 0.0) -> _Systems:

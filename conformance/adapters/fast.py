@@ -380,7 +380,7 @@ class FastCpuKvBf16(Fast):
 
 class FastCpu4Bit(FastCpuStack):
     """fast-cpu-stack on four-bit weights: every linear weight is exactly 4-bit blocks, so the panel GEMM
-    reads 4-bit panels (kernels/q4_blocks.py), in the decode stack and alone."""
+    reads 4-bit panels (kernels/weight_forms.py), in the decode stack and alone."""
 
     name = "fast-cpu-4bit"
     weights = "four-bit"

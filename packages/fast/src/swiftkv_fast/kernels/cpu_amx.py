@@ -42,7 +42,7 @@ import torch
 
 from swiftkv_fast.kernels import cpu_compile
 from swiftkv_fast.kernels._common import dense_rows
-from swiftkv_fast.kernels.q4_blocks import FormMismatch, bf16_exact
+from swiftkv_fast.kernels.weight_forms import FormMismatch, bf16_exact
 
 ENV_SWITCH = "SWIFTKV_CPU_AMX_KERNEL"
 # torch.set_float32_matmul_precision's levels the engine knows (EngineConfig.matmul_precision), most

@@ -1,5 +1,5 @@
 """y = x W^T (+ b) on CPU with Intel AMX tiles for a weight that is exactly 4-bit blocks
-(kernels/q4_blocks.py: W = d q + m per 32 inputs of an output row, codes q in [0, 16)), in fp32
+(kernels/weight_forms.py: W = d q + m per 32 inputs of an output row, codes q in [0, 16)), in fp32
 arithmetic: the `q4-amx` candidate of model/linear_kernels.py, permitted at the "highest" float32 matmul
 precision.
 
@@ -32,7 +32,7 @@ import torch
 
 from swiftkv_fast.kernels import cpu_amx, cpu_compile
 from swiftkv_fast.kernels._common import dense_rows
-from swiftkv_fast.kernels.q4_blocks import Q4_BLOCK, FormMismatch, q4_blocks
+from swiftkv_fast.kernels.weight_forms import Q4_BLOCK, FormMismatch, q4_blocks
 
 TILE_K = 32  # inputs per tile: one block of the 4-bit form
 BLOCK = 32  # rows and columns of a register block

@@ -49,7 +49,7 @@ From cache, or at thousands of rows, oneDNN is as fast or faster (Zen 4, 4,096 r
 175-200). The chooser times this kernel beside the libraries' and keeps whichever is faster per shape
 and row count, so a machine where a library wins keeps the library.
 
-Weights that are exactly 4-bit blocks (kernels/q4_blocks.py: a dequantized 4-bit checkpoint, the embedded
+Weights that are exactly 4-bit blocks (kernels/weight_forms.py: a dequantized 4-bit checkpoint, the embedded
 model's layers) are packed as 4-bit panels instead: per 32 inputs of a panel, its 16 columns' d and m
 and the codes, 12 bytes per input where fp32 takes 64; the micro kernels rebuild each weight vector
 exactly (d q + m, one rounding) and run the same FMAs in the same order, so the results are the fp32
@@ -77,7 +77,7 @@ import torch
 
 from swiftkv_fast.kernels import cpu_amx, cpu_compile, cpu_gemm_amx
 from swiftkv_fast.kernels._common import dense_rows
-from swiftkv_fast.kernels.q4_blocks import FormMismatch, q4_panels, q8_panels
+from swiftkv_fast.kernels.weight_forms import FormMismatch, q4_panels, q8_panels
 
 ENV_SWITCH = "SWIFTKV_CPU_GEMM_KERNEL"
 FOUR_BIT_SWITCH = "SWIFTKV_CPU_GEMM_4BIT"  # "0": keep every panel in fp32 (for comparisons)
@@ -478,11 +478,11 @@ class PanelWeight:
     """W (out, in) packed in 16-column panels for `linear`; `out_features` / `in_features` as W's.
     `avx512=False` builds the 8-lane register blocks even where the compiler targets AVX-512 (so tests
     check both paths on an AVX-512 machine); `rows_per_block` says which one runs (16 or 6 rows).
-    `compact`: where W is exactly a 4-bit block-quantized weight (kernels/q4_blocks.py), keep it in the
+    `compact`: where W is exactly a 4-bit block-quantized weight (kernels/weight_forms.py), keep it in the
     4-bit layout (`format` "q4"; the results are bit-identical to the fp32 layout's, `format` "fp32");
-    None: unless SWIFTKV_CPU_GEMM_4BIT=0. `amx`: multiply the 4-bit panels on AMX tiles (`format`
-    "q4-amx": exact products, fp32 sums; the same bytes); raises FormMismatch where W has no 4-bit
-    form, RuntimeError where AMX cannot run here."""
+    None: unless SWIFTKV_CPU_GEMM_4BIT=0. `amx`: multiply the panels on AMX tiles, 4-bit (`format`
+    "q4-amx": exact products, fp32 sums; the same bytes) or 8-bit ("q8-amx", for a weight exactly 8-bit
+    blocks); raises FormMismatch where W has neither form, RuntimeError where AMX cannot run here."""
 
     def __init__(
         self, weight: torch.Tensor, avx512: bool = True, compact: bool | None = None, amx: bool = False
@@ -505,16 +505,16 @@ class PanelWeight:
                 reason = "the panel GEMM was built without AMX-BF16 and AVX512-BF16"
             if reason is not None:
                 raise RuntimeError(f"the 4-bit panels cannot run on AMX here ({reason})")
-        q4 = q4_panels(weight, PANEL) if compact or amx else None
-        q8 = q8_panels(weight, PANEL) if amx and q4 is None else None
-        if amx and q4 is None and q8 is None:
-            raise FormMismatch(f"a {tuple(weight.shape)} weight that is not exactly 4- or 8-bit blocks")
-        self.format = "q8-amx" if q8 is not None else "fp32" if q4 is None else "q4-amx" if amx else "q4"
-        if q8 is not None:
-            q4 = q8  # (panels, in / 32, 640) bytes
-        if q4 is not None:
-            self.packed = q4  # (panels, in / 32, 384) bytes
+        blocks = q4_panels(weight, PANEL) if compact or amx else None  # (panels, in / 32, 384) bytes
+        self.format = "q4-amx" if amx else "q4"
+        if amx and blocks is None:
+            blocks, self.format = q8_panels(weight, PANEL), "q8-amx"  # (panels, in / 32, 640) bytes
+            if blocks is None:
+                raise FormMismatch(f"a {tuple(weight.shape)} weight that is not exactly 4- or 8-bit blocks")
+        if blocks is not None:
+            self.packed = blocks
         else:
+            self.format = "fp32"
             panels = -(-self.out_features // PANEL)
             self.packed = torch.empty(panels, self.in_features, PANEL)  # (panels, in, 16)
             functions["swiftkv_gemm_pack"](

@@ -9,12 +9,12 @@ Eight ways to compute y = x W^T + b for a checkpoint weight W (out_features, in_
     panel    our compiled C kernel over W packed in 16-column panels (kernels/cpu_gemm.py; fp32,
              needs a C compiler): 1.1-1.5x oneDNN on a 16-row decode batch with the weights read
              from memory, on AMD EPYC Zen 3 (AVX2) and Zen 4 (AVX-512); a weight that is exactly
-             4-bit blocks (kernels/q4_blocks.py) as 4-bit panels, bit-identical results
+             4-bit blocks (kernels/weight_forms.py) as 4-bit panels, bit-identical results
     bf16x3   our compiled C kernel on Intel AMX tiles, W split into bf16 hi + lo (kernels/cpu_amx.py):
              PyTorch's "high" float32 matmul precision, so a candidate only when the engine is allowed
              it (EngineConfig.matmul_precision = "high"); about 2x MKL's sgemm at thousands of rows
     q4-amx   our compiled C kernel on Intel AMX tiles for a weight that is exactly 4-bit blocks (a
-             dequantized 4-bit checkpoint, kernels/q4_blocks.py): exact bf16 products of the codes and
+             dequantized 4-bit checkpoint, kernels/weight_forms.py): exact bf16 products of the codes and
              x split in three, fp32 sums (kernels/cpu_amx_q4.py), so at "highest" too; a candidate
              only for such weights; 1.2-2.2x MKL's sgemm at 256-4,096 rows on a 2-core Xeon
     bf16-amx the bf16x3 kernel's machinery for a weight whose values are exact in bf16 (a bf16
@@ -66,7 +66,7 @@ from swiftkv_fast.kernels import cpu_amx, cpu_gemm
 from swiftkv_fast.kernels.cpu_amx import MATMUL_PRECISIONS, Bf16x3Weight
 from swiftkv_fast.kernels.cpu_amx_q4 import Q4AmxWeight
 from swiftkv_fast.kernels.cpu_gemm import PanelWeight
-from swiftkv_fast.kernels.q4_blocks import FormMismatch, bf16_exact, q4_blocks, q8_blocks, remembered
+from swiftkv_fast.kernels.weight_forms import FormMismatch, bf16_exact, q4_blocks, q8_blocks, remembered
 from swiftkv_fast.logger import init_logger
 from swiftkv_fast.model.cpu_contention import ContentionMeter, waited_seconds
 
@@ -84,7 +84,7 @@ CACHE_VERSION = 2
 BUSY_SHARE = 0.1
 MAX_TRIES = 3
 FALLBACK = "linear"  # what a failing forced kernel is replaced by
-FORM_NAMES = {"q4": "4-bit", "q8": "8-bit", "bf16": "bf16"}  # the exact forms of kernels/q4_blocks.py
+FORM_NAMES = {"q4": "4-bit", "q8": "8-bit", "bf16": "bf16"}  # the exact forms of kernels/weight_forms.py
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class LinearKernel:
     pack: Callable[[torch.Tensor], torch.Tensor]  # W (out, in) -> the kernel's layout of it
     run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]  # (x, layout, bias)
     precision: str = "highest"  # the most precise matmul precision level that permits this kernel
-    forms: frozenset[str] | None = None  # runs only weights of these exact block forms ("q4", "q8"), or any
+    forms: frozenset[str] | None = None  # runs only weights of these exact forms (FORM_NAMES), or any
 
     def permitted(self, precision: str) -> bool:
         """The kernel may run under the matmul precision level `precision` (MATMUL_PRECISIONS)."""
@@ -441,7 +441,7 @@ class LinearKernelChooser:
             layout = KERNELS[kernel].pack(weight)
             with torch.inference_mode():
                 KERNELS[kernel].run(weight.new_zeros(1, weight.shape[1]), layout, None)
-        except FormMismatch:  # this weight only (a forced q4-amx: the others may have the form)
+        except FormMismatch:  # this weight only (a forced form-bound kernel: the others may have the form)
             return False
         except Exception as e:  # a private op: missing in this torch, or unsupported here
             if kernel == FALLBACK:
@@ -553,7 +553,7 @@ class LinearKernelChooser:
         )
 
     def _form(self, weight: torch.Tensor) -> str | None:
-        """W's exact form where those layouts are on (kernels/q4_blocks.py): "q4" (4-bit d q + m: the panel
+        """W's exact form where those layouts are on (kernels/weight_forms.py): "q4" (4-bit d q + m: the panel
         GEMM reads 5.3x fewer bytes, q4-amx and panel-amx are candidates), "q8" (8-bit d q: panel-amx
         is), "bf16" (values exact in bf16, a bf16 checkpoint: bf16-amx is), or None."""
         if self.kernel != "auto" or weight.dtype != torch.float32 or not cpu_gemm.four_bit_enabled():

@@ -1,14 +1,15 @@
-"""Finding a 4-bit block structure in an fp32 weight, exactly: the panel GEMM's compact layout.
+"""Exact compact forms of an fp32 weight: 4-bit blocks, 8-bit blocks, values exact in bf16.
 
-A checkpoint quantized to 4 bits with a scale and an offset per block of 32 inputs (GGUF's Q4_1, the
-embedded SmolLM2 model among them; AWQ / GPTQ-style int4 with zero points) holds, once dequantized to
-fp32, weights that are exactly `d * q + m` for each output row's run of Q4_BLOCK inputs, with one
-(d, m) per run and integer codes q in [0, 16). Kept that way the weight is 6 bits per value (the codes
-and an fp32 d and m per 32) instead of 32, and a decode-sized GEMM, which reads every weight from
-memory once per step, reads 5.3x fewer bytes. The values are the same fp32 numbers, so nothing about
-the model's math changes: `q4_blocks` returns the structure only when rebuilding every value from it
-gives the weight back bit for bit, and only when every product d * q is exact in fp32 (so the kernel's
-d * q + m rounds once, FMA-contracted or not, as it does here).
+A checkpoint quantized by a min / max rule to 4 bits with a scale and an offset per block of 32 inputs
+(GGUF's Q4_1, the embedded SmolLM2 model among them) holds, once dequantized to fp32, weights that are
+exactly `d * q + m` for each output row's run of Q4_BLOCK inputs, with one (d, m) per run and integer
+codes q in [0, 16), the block's smallest value at code 0 and its largest at 15 (other int4 schemes,
+such as GPTQ's groups of 128, are not recognized and stay fp32). Kept that way the weight is 6 bits
+per value (the codes and an fp32 d and m per 32) instead of 32, and a decode-sized GEMM, which reads
+every weight from memory once per step, reads 5.3x fewer bytes. The values are the same fp32 numbers,
+so nothing about the model's math changes: `q4_blocks` returns the structure only when rebuilding
+every value from it gives the weight back bit for bit, and only when every product d * q is exact in
+fp32 (so the kernel's d * q + m rounds once, FMA-contracted or not, as it does here).
 
 Worked example, one row of a block of 4 inputs (Q4_BLOCK is 32): [0.5, 0.75, 0.5, 1.25] has
 m = 0.5 (the smallest), d = (1.25 - 0.5) / 15 = 0.05 rounded to fp16 (0.04998779...) and codes
@@ -19,6 +20,7 @@ Dequantized Q4_1 rows rebuild with the fp16 scale they were written with.
 
 `q8_blocks` finds the symmetric 8-bit form the same way (d q per block, codes in [-127, 127], GGUF's
 Q8_0, which the embedded model's embedding and tied lm_head are): the AMX panels take it too.
+`bf16_exact` tells a bf16 checkpoint loaded as fp32 (every value exact in bf16): the bf16-amx kernel's.
 """
 
 from __future__ import annotations
@@ -129,19 +131,22 @@ def q4_panels(weight: torch.Tensor, panel: int = 16) -> torch.Tensor | None:
     if found is None:
         return None
     d, m, q = found
-    n, k = q.shape
-    panels, blocks = -(-n // panel), k // Q4_BLOCK
-    pad = panels * panel - n
-    d, m = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (d, m))
-    q = torch.nn.functional.pad(q, (0, 0, 0, pad))
-
-    def by_panel(t: torch.Tensor) -> torch.Tensor:  # (panels * panel, blocks) -> (panels, blocks, 4 panel)
-        return t.view(panels, panel, blocks).transpose(1, 2).contiguous().view(torch.uint8)
-
-    pairs = q.view(panels, panel, blocks, Q4_BLOCK // 2, 2)
+    panels, blocks = -(-q.shape[0] // panel), q.shape[1] // Q4_BLOCK
+    pairs = _padded(q, panels * panel).view(panels, panel, blocks, Q4_BLOCK // 2, 2)
     codes = pairs[..., 0] | (pairs[..., 1] << 4)  # (panels, panel, blocks, pairs)
     codes = codes.permute(0, 2, 3, 1).reshape(panels, blocks, Q4_BLOCK // 2 * panel)
-    return torch.cat([by_panel(d), by_panel(m), codes], dim=-1).contiguous()
+    return torch.cat([_scales(d, panel), _scales(m, panel), codes], dim=-1).contiguous()
+
+
+def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """t (N, ...) with zero rows appended up to `rows` (columns past N of the last panel)."""
+    return torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[0]))
+
+
+def _scales(t: torch.Tensor, panel: int) -> torch.Tensor:
+    """Per-block values (N, blocks) fp32 as the panels hold them: (panels, blocks, 4 panel) bytes."""
+    panels = -(-t.shape[0] // panel)
+    return _padded(t, panels * panel).view(panels, panel, -1).transpose(1, 2).contiguous().view(torch.uint8)
 
 
 @_remember
@@ -165,9 +170,6 @@ def q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return d_all, q_all
 
 
-Q8_PAIR_BYTES = 2  # an 8-bit panel holds, per pair of inputs and column, the two codes side by side
-
-
 def q8_panels(weight: torch.Tensor, panel: int = 16) -> torch.Tensor | None:
     """weight (N, K) fp32 in the panel GEMM's 8-bit layout, (ceil(N / panel), K / Q4_BLOCK, bytes) uint8:
     per panel and block of Q4_BLOCK inputs, the columns' d (fp32), zeros where the 4-bit layout has m,
@@ -177,11 +179,8 @@ def q8_panels(weight: torch.Tensor, panel: int = 16) -> torch.Tensor | None:
     if found is None:
         return None
     d, q = found
-    n, k = q.shape
-    panels, blocks = -(-n // panel), k // Q4_BLOCK
-    pad = panels * panel - n
-    d = torch.nn.functional.pad(d, (0, 0, 0, pad)).view(panels, panel, blocks).transpose(1, 2)
-    d = d.contiguous().view(torch.uint8)
-    q = torch.nn.functional.pad(q, (0, 0, 0, pad)).view(panels, panel, blocks, Q4_BLOCK // 2, 2)
-    codes = q.permute(0, 2, 3, 1, 4).reshape(panels, blocks, Q4_BLOCK * panel).view(torch.uint8)
-    return torch.cat([d, torch.zeros_like(d), codes], dim=-1).contiguous()
+    panels, blocks = -(-q.shape[0] // panel), q.shape[1] // Q4_BLOCK
+    pairs = _padded(q, panels * panel).view(panels, panel, blocks, Q4_BLOCK // 2, 2)
+    codes = pairs.permute(0, 2, 3, 1, 4).reshape(panels, blocks, Q4_BLOCK * panel).view(torch.uint8)
+    scales = _scales(d, panel)
+    return torch.cat([scales, torch.zeros_like(scales), codes], dim=-1).contiguous()

@@ -1,4 +1,4 @@
-"""Weights that are exactly 4-bit blocks (kernels/q4_blocks.py): found only where every value is d q + m
+"""Weights that are exactly 4-bit blocks (kernels/weight_forms.py): found only where every value is d q + m
 per block of 32 inputs; the panel GEMM's 4-bit layout then gives the fp32 layout's results bit for bit
 (both register-block widths, the fused prologues, a bias), and the AMX kernel for them (q4-amx) is an
 fp32 product, a chooser candidate for such weights only."""
@@ -12,7 +12,14 @@ from swiftkv_fast import LLM, SamplingParams
 from swiftkv_fast.kernels import cpu_amx, cpu_compile, cpu_gemm
 from swiftkv_fast.kernels.cpu_amx import Bf16x3Weight
 from swiftkv_fast.kernels.cpu_amx_q4 import Q4AmxWeight
-from swiftkv_fast.kernels.q4_blocks import Q4_BLOCK, FormMismatch, bf16_exact, q4_blocks, q4_panels, q8_blocks
+from swiftkv_fast.kernels.weight_forms import (
+    Q4_BLOCK,
+    FormMismatch,
+    bf16_exact,
+    q4_blocks,
+    q4_panels,
+    q8_blocks,
+)
 from swiftkv_fast.model import linear_kernels as lk
 from swiftkv_fast.model.decode_stack import layer_linears, stack_panel
 from swiftkv_reference.testing import (
@@ -287,7 +294,7 @@ def test_stack_over_4_bit_panels_on_amx_gives_the_references_tokens():
 
 
 def test_a_weights_form_is_found_once_while_the_chooser_holds_it(monkeypatch):
-    from swiftkv_fast.kernels import q4_blocks as blocks
+    from swiftkv_fast.kernels import weight_forms as blocks
 
     w, calls = q4_1(32, 64), []
     original = blocks._fit

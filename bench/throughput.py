@@ -130,8 +130,8 @@ def run(args: argparse.Namespace) -> int:
     # at matmul precision "high" the floor may multiply on AMX tiles (bf16x3): fp32 FMAs bound nothing
     fp32_only = engine.matmul_precision() == "highest"
     fma_peak = gemm_floor.fma_peak_gflops() if runners.floor_llms and fp32_only else None
-    # nor do they where a linear of 4-bit blocks multiplies on AMX tiles (exact products)
-    fma_bounds_gemms = not _four_bit_amx()
+    # nor do they where a linear of an exact form multiplies on AMX tiles (exact products)
+    fma_bounds_gemms = not _exact_amx()
     read_gbps = attention_floor.read_gbps() if fma_peak else None
     tables, rows = [], []
     for name in mixes:
@@ -252,10 +252,11 @@ class _Systems:
         return self.fns[name]
 
 
-def _four_bit_amx() -> bool:
-    """Some linear built in this process multiplies 4-bit weights on AMX tiles (q4-amx, panel-amx)."""
+def _exact_amx() -> bool:
+    """Some linear built in this process multiplies weights of an exact form on AMX tiles (the kernels
+    named "*-amx": q4-amx, panel-amx, bf16-amx)."""
     plans = engine.linear_kernels()["linear_kernels"].values()
-    return any("q4-amx" in plan or "panel-amx" in plan for plan in plans)
+    return any(word.endswith("-amx") for plan in plans for word in plan.replace(",", " ").split())
 
 
 def _systems(wanted: list[str], temperature: float = 0.0) -> _Systems:
@@ -425,8 +426,8 @@ def _table(
             share = 100 * rate / peak[best]
             precision = engine.matmul_precision()
             four_bit = ""
-            if _four_bit_amx():
-                four_bit = " on arbitrary fp32 weights; the AMX kernels for 4-bit weights are not in it"
+            if _exact_amx():
+                four_bit = " on arbitrary fp32 weights; the AMX kernels for exact-form weights are not in it"
             t.notes.append(
                 f"{r['system']}: {r['flops'] / 1e9:.0f} GFLOP at {rate:.0f} GFLOP/s, {share:.0f}% of this "
                 f"machine's GEMM peak at float32 matmul precision {precision!r} ({peak[best]:.0f} GFLOP/s: "

@@ -195,3 +195,18 @@ def test_throughput_quick_sampled(monkeypatch, tmp_path, capsys):
     for bad in ("-1", "nan", "inf"):
         with pytest.raises(SystemExit):
             main(["throughput", "--quick", "--temperature", bad, "--out", str(tmp_path)])
+
+
+def test_exact_amx_kernels_are_told_from_the_others(monkeypatch):
+    """The FMA-peak ceiling is left out where any exact-form AMX kernel runs (q4-amx, panel-amx,
+    bf16-amx), kept where only FMA kernels (or bf16x3 at "high") do."""
+    from bench import throughput
+
+    def plans(*described):
+        monkeypatch.setattr(engine, "linear_kernels", lambda: {"linear_kernels": dict(enumerate(described))})
+
+    plans("matmul <= 8, panel <= 64, mkldnn above", "bf16x3")
+    assert not throughput._exact_amx()
+    for kernel in ("q4-amx", "panel-amx", "bf16-amx"):
+        plans("matmul", f"panel <= 16, {kernel} above")
+        assert throughput._exact_amx()

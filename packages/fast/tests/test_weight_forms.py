@@ -22,6 +22,7 @@ from swiftkv_fast.kernels.weight_forms import (
 )
 from swiftkv_fast.model import linear_kernels as lk
 from swiftkv_fast.model.decode_stack import layer_linears, stack_panel
+from swiftkv_fast.model.stack_timing import stack_key
 from swiftkv_reference.testing import (
     four_bit_state_dict,
     fp32_atol,
@@ -288,6 +289,8 @@ def test_stack_over_4_bit_panels_on_amx_gives_the_references_tokens():
             assert all(s.calls > 0 for s in stacks)
             formats = {stack_panel(lin).format for s in stacks for x in s.layers for lin in layer_linears(x)}
             assert formats == {"q4-amx"}
+            # the stacks' cached timings are keyed by the panels they read, AMX ones included
+            assert all(" panels q4-amx " in stack_key(s, "first", cold=False) for s in stacks)
     for a, b in zip(got["panel-amx"], got["linear"]):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         torch.testing.assert_close(a.outputs[0].logits, b.outputs[0].logits, rtol=0, atol=1e-4)

@@ -34,7 +34,7 @@ from swiftkv_fast.attention.base import AttentionMetadata
 from swiftkv_fast.kernels import cpu_decode_stack
 from swiftkv_fast.logger import init_logger
 from swiftkv_fast.model.cpu_contention import ContentionMeter, waited_seconds
-from swiftkv_fast.model.decode_stack import DecodeStack, layer_linears
+from swiftkv_fast.model.decode_stack import DecodeStack, layer_linears, stack_panel
 from swiftkv_fast.model.linear_kernels import (
     BUSY_SHARE,
     MAX_SAMPLES,
@@ -62,9 +62,7 @@ def stack_key(stack: DecodeStack, half: str, cold: bool) -> str:
     windows = ",".join(sorted({str(x.window or 0) for x in stack.layers}))
     source = hashlib.sha1(cpu_decode_stack.SOURCE.encode()).hexdigest()[:12]
     heads = f"{stack.num_heads}/{stack.num_kv_heads}x{stack.head_dim}"
-    panels = {
-        getattr(lin.layouts.get("panel"), "format", "-") for x in stack.layers for lin in layer_linears(x)
-    }
+    panels = {getattr(stack_panel(lin), "format", "-") for x in stack.layers for lin in layer_linears(x)}
     return (
         f"decode-stack {half} {len(stack.layers)} layers {shapes} panels {','.join(sorted(panels))} "
         f"heads {heads} windows {windows} "

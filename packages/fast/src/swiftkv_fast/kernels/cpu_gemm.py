@@ -143,10 +143,11 @@ MICRO(9) MICRO(10) MICRO(11) MICRO(12) MICRO(13) MICRO(14) MICRO(15) MICRO(16)
                 micro9, micro10, micro11, micro12, micro13, micro14, micro15, micro16}
 /* The same over a 4-bit panel (see Q4_BLOCK_BYTES): per pair of inputs, 16 code bytes widened to
    16 lanes (one vpmovzxbd from memory), the low and the high nibbles converted and scaled, d q + m,
-   to the fp32 weights themselves; then the same FMAs in the same order as micro##R. */
+   to the fp32 weights themselves; then the same FMAs in the same order as micro##R. With `keep`, the
+   rebuilt weights are stored there too, as an fp32 panel's rows (K, 16), for the item's other blocks. */
 #define MICRO_Q4(R)                                                                               \
-static void micro_q4_##R(const float *x, const void *panel, int64_t K, float *y,                  \
-                         int64_t ldy, int add, const char *pf, int64_t pf_step) {                 \
+static void micro_q4_##R(const float *x, const void *panel, int64_t K, float *y, int64_t ldy,     \
+                         int add, const char *pf, int64_t pf_step, float *keep) {                 \
     vec acc[R];                                                                                   \
     for (int r = 0; r < R; r++) acc[r] = add ? *(const vec *)(y + r * ldy) : (vec){0};             \
     const unsigned char *blk = panel;                                                             \
@@ -157,6 +158,10 @@ static void micro_q4_##R(const float *x, const void *panel, int64_t K, float *y,
             const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 128 + 16 * j))); \
             const vec w0 = (vec)_mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(15))) * d + m; \
             const vec w1 = (vec)_mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)) * d + m;             \
+            if (keep != NULL) {                                                                   \
+                *(vec *)(keep + 16 * (Q4_BLOCK * b + 2 * j)) = w0;                                \
+                *(vec *)(keep + 16 * (Q4_BLOCK * b + 2 * j) + 16) = w1;                           \
+            }                                                                                     \
             const float *xk = x + MR * (Q4_BLOCK * b + 2 * j);                                     \
             for (int r = 0; r < R; r++) acc[r] += xk[r] * w0;                                     \
             for (int r = 0; r < R; r++) IN_ORDER(acc[r]);                                         \
@@ -222,8 +227,8 @@ static inline void q4_widen(const unsigned char *codes, vec d0, vec d1, vec m0, 
 #endif
 /* The same over a 4-bit panel: a pair of inputs' 16 code bytes widened as two halves of 8 lanes */
 #define MICRO_Q4(R)                                                                               \
-static void micro_q4_##R(const float *x, const void *panel, int64_t K, float *y,                  \
-                         int64_t ldy, int add, const char *pf, int64_t pf_step) {                 \
+static void micro_q4_##R(const float *x, const void *panel, int64_t K, float *y, int64_t ldy,     \
+                         int add, const char *pf, int64_t pf_step, float *keep) {                 \
     vec acc[R][2];                                                                                \
     for (int r = 0; r < R; r++) {                                                                 \
         acc[r][0] = add ? *(const vec *)(y + r * ldy) : (vec){0};                                 \
@@ -237,6 +242,8 @@ static void micro_q4_##R(const float *x, const void *panel, int64_t K, float *y,
             __builtin_prefetch(pf + pf_step * (Q4_BLOCK / 2 * b + j), 0, 1);                      \
             vec w[2][2];                                                                          \
             q4_widen(blk + 128 + 16 * j, d0, d1, m0, m1, w);                                      \
+            if (keep != NULL)                                                                     \
+                for (int h = 0; h < 4; h++) *(vec *)(keep + 16 * (Q4_BLOCK * b + 2 * j) + 8 * h) = w[h / 2][h % 2]; \
             const float *xk = x + MR * (Q4_BLOCK * b + 2 * j);                                     \
             for (int h = 0; h < 2; h++)                                                           \
                 for (int r = 0; r < R; r++) {                                                     \
@@ -262,7 +269,10 @@ MICRO_Q4(1) MICRO_Q4(2) MICRO_Q4(3) MICRO_Q4(4) MICRO_Q4(5) MICRO_Q4(6)
 /* y[R][16] (rows ldy apart) = x[R][K] (rows ldx apart) . panel[K][16], plus y's own values when `add`
    (the partial sums of the preceding K block); R <= MR */
 typedef void (*micro_fn)(const float *, const void *, int64_t, float *, int64_t, int, const char *, int64_t);
-static const micro_fn micro[MR] = MICROS, micro_q4[MR] = MICROS_Q4;
+typedef void (*micro_q4_fn)(const float *, const void *, int64_t, float *, int64_t, int, const char *, int64_t,
+                            float *);
+static const micro_fn micro[MR] = MICROS;
+static const micro_q4_fn micro_q4[MR] = MICROS_Q4;
 
 int swiftkv_gemm_rows_per_block(void) { return MR; }
 
@@ -376,12 +386,16 @@ static inline int64_t gemm_items(struct gemm_rows rows, int64_t N) {
 }
 
 /* Inside a parallel region, after gemm_pack_x (a worksharing loop over the items): y (M, N)
-   contiguous = xp times the packed W^T (`format` PANEL_F32 or PANEL_Q4), plus bias (N,) unless NULL. */
+   contiguous = xp times the packed W^T (`format` PANEL_F32 or PANEL_Q4), plus bias (N,) unless NULL.
+   Over a 4-bit panel, an item's first register block rebuilds each slice's weights in registers
+   (micro_q4) and keeps them in an fp32 buffer that the item's other blocks read from L1 with the fp32
+   micro kernels: each weight is rebuilt once per item instead of once per block, which had cost each
+   block FMA-port slots (AVX2, 6-row blocks: 32 rows 89-95 -> 121-135 GFLOP/s, 64 rows 93-98 ->
+   151-156). The same FMAs in the same order either way, so the results are the same bit for bit. */
 static void gemm_run(const float *xp, const void *packed, int format, const float *bias, float *y,
                      int64_t N, int64_t K, struct gemm_rows rows) {
     const int64_t panels = (N + 15) / 16, groups = rows.groups;
     const int q4 = format != PANEL_F32;
-    const micro_fn *run = q4 ? micro_q4 : micro;
 #if HAVE_AMX_Q4
     if (PANEL_AMX(format)) {
         amx_run((const uint16_t *)xp, packed, bias, y, N, K, rows, format);
@@ -398,6 +412,7 @@ static void gemm_run(const float *xp, const void *packed, int format, const floa
         const char *panel = (const char *)packed + p * K * in_bytes;
         const int full = n0 + 16 <= N;
         float tmp[GROUPS_PER_ITEM * MR * 16];  /* a panel past N: its outputs before the copy */
+        float kept[IN_BLOCK * 16] __attribute__((aligned(64)));  /* a 4-bit slice rebuilt in fp32 */
         float *out = full ? y + m0 * N + n0 : tmp;
         const int64_t ldo = full ? N : 16;
         for (int64_t k0 = 0; k0 < K; k0 += IN_BLOCK) {
@@ -411,10 +426,16 @@ static void gemm_run(const float *xp, const void *packed, int format, const floa
             const int64_t step = (in_bytes * pf_inputs + (g1 - g0) - 1) / (g1 - g0);
             const char *ahead = panel + in_bytes * (k0 + IN_BLOCK);
             for (int64_t g = g0; g < g1; g++) {
-                const int64_t m = GROUP_START(g);
-                run[GROUP_START(g + 1) - m - 1](xp + g * K * MR + k0 * MR, panel + in_bytes * k0, kc,
-                                                out + (m - m0) * ldo, ldo, k0 > 0,
-                                                ahead + (g - g0) * step * (kc / pf_inputs), step);
+                const int64_t m = GROUP_START(g), r = GROUP_START(g + 1) - m - 1;
+                const float *xg = xp + g * K * MR + k0 * MR;
+                const char *pf = ahead + (g - g0) * step * (kc / pf_inputs);
+                if (!q4)
+                    micro[r](xg, panel + in_bytes * k0, kc, out + (m - m0) * ldo, ldo, k0 > 0, pf, step);
+                else if (g == g0)
+                    micro_q4[r](xg, panel + in_bytes * k0, kc, out + (m - m0) * ldo, ldo, k0 > 0, pf, step,
+                                g1 - g0 > 1 ? kept : NULL);
+                else  /* the fp32 kernels prefetch once per input, the 4-bit ones once per pair */
+                    micro[r](xg, kept, kc, out + (m - m0) * ldo, ldo, k0 > 0, pf, step / pf_inputs);
             }
         }
         const int64_t width = full ? 16 : N - n0;

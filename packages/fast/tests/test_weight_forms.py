@@ -176,6 +176,24 @@ def test_q4_amx_is_a_candidate_for_four_bit_weights_only(monkeypatch):
     assert forced.choose("four_bit", q4_1(48, 64), None, 16).plan[0][1] == "q4-amx"
 
 
+def test_kernels_this_machine_cannot_run_are_not_offered_and_not_called_failed(monkeypatch, caplog):
+    """A CPU without AMX (here: the switch off) is not a failure: the AMX candidates are left out of the
+    timing with one info line, no warning, and the fp32 kernels are chosen as before."""
+    import logging
+
+    monkeypatch.setenv(cpu_amx.ENV_SWITCH, "0")
+    caplog.set_level(logging.INFO, logger=lk.logger.name)
+    timer = lambda kernel, rows, call: (call(), 1e-3)[1]  # noqa: E731
+    chooser = lk.LinearKernelChooser("auto", "cpu", (1, 16), timer=timer)
+    choice = chooser.choose("four_bit", q4_1(48, 64), None, 16)
+    chooser.finish()
+    assert not {"q4-amx", "panel-amx"} & {k for _, k in choice.plan}
+    assert not chooser.failed and {"q4-amx", "panel-amx"} <= set(chooser.absent)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    offered = [r.getMessage() for r in caplog.records if "not offered on this machine" in r.getMessage()]
+    assert len(offered) == 1 and "q4-amx (SWIFTKV_CPU_AMX_KERNEL=0)" in offered[0]
+
+
 amx = pytest.mark.skipif(cpu_amx.unavailable_reason() is not None, reason="no AMX here")
 
 

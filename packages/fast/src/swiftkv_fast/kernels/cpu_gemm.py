@@ -495,6 +495,21 @@ def _functions(avx512: bool) -> dict[str, Callable] | None:
     return cpu_compile.load("panel-gemm", SOURCE, {"SWIFTKV_NO_AVX512": int(not avx512)}, _SYMBOLS)
 
 
+def unavailable_reason(avx512: bool = True) -> str | None:
+    """Why the panel GEMM cannot run here, or None when it can."""
+    if not enabled():
+        return f"{ENV_SWITCH}=0"
+    return None if _functions(avx512) is not None else "no C compiler, or its build failed"
+
+
+def amx_unavailable_reason(avx512: bool = True) -> str | None:
+    """Why the panels cannot be multiplied on AMX tiles here (`PanelWeight(amx=True)`), or None."""
+    reason = unavailable_reason(avx512) or cpu_amx.unavailable_reason()
+    if reason is None and not _functions(avx512)["swiftkv_gemm_has_amx"]():
+        reason = "the panel GEMM was built without AMX-BF16 and AVX512-BF16"
+    return reason
+
+
 class PanelWeight:
     """W (out, in) packed in 16-column panels for `linear`; `out_features` / `in_features` as W's.
     `avx512=False` builds the 8-lane register blocks even where the compiler targets AVX-512 (so tests
@@ -508,11 +523,10 @@ class PanelWeight:
     def __init__(
         self, weight: torch.Tensor, avx512: bool = True, compact: bool | None = None, amx: bool = False
     ):
+        reason = unavailable_reason(avx512)
+        if reason is not None:
+            raise RuntimeError(f"the panel GEMM kernel is unavailable here ({reason})")
         functions = _functions(avx512)
-        if functions is None:
-            raise RuntimeError(
-                f"the panel GEMM kernel is unavailable here (no C compiler, or {ENV_SWITCH}=0)"
-            )
         if weight.dtype != torch.float32 or not weight.is_cpu or weight.dim() != 2:
             raise ValueError(f"the panel GEMM takes a 2-d fp32 CPU weight, got {weight.dtype} {weight.shape}")
         if weight.stride(1) != 1:
@@ -521,9 +535,7 @@ class PanelWeight:
         if compact is None:
             compact = four_bit_enabled()
         if amx:
-            reason = cpu_amx.unavailable_reason()
-            if reason is None and not functions["swiftkv_gemm_has_amx"]():
-                reason = "the panel GEMM was built without AMX-BF16 and AVX512-BF16"
+            reason = amx_unavailable_reason(avx512)
             if reason is not None:
                 raise RuntimeError(f"the 4-bit panels cannot run on AMX here ({reason})")
         blocks = q4_panels(weight, PANEL) if compact or amx else None  # (panels, in / 32, 384) bytes

@@ -41,7 +41,9 @@ the warm timings ranked oneDNN first at 16 rows, the cold ones the panel GEMM, b
 keeps the fewest weight layouts that are nowhere more than COPY_WORTH slower than the fastest
 kernel (`plan_kernels`), and runs the fastest of them for each row bucket. A forced kernel
 (EngineConfig.linear_kernel) skips the timing. A private op that is missing or fails is dropped,
-with one log line, for the next candidate. Other devices always run F.linear.
+with one warning, for the next candidate; a kernel this machine cannot run (the AMX ones on a CPU
+without AMX, a kernel switched off) is not offered, and one info line says which and why. Other
+devices always run F.linear.
 """
 
 from __future__ import annotations
@@ -94,6 +96,9 @@ class LinearKernel:
     run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]  # (x, layout, bias)
     precision: str = "highest"  # the most precise matmul precision level that permits this kernel
     forms: frozenset[str] | None = None  # runs only weights of these exact forms (FORM_NAMES), or any
+    # why this machine cannot run it (a CPU without AMX, a switch off), None where it can: such a kernel
+    # is not offered, where a failing one (a private op missing in this torch) is logged as failed
+    unavailable: Callable[[], str | None] = lambda: None
 
     def permitted(self, precision: str) -> bool:
         """The kernel may run under the matmul precision level `precision` (MATMUL_PRECISIONS)."""
@@ -116,22 +121,36 @@ KERNELS = {
     "linear": LinearKernel("linear", lambda w: w, F.linear),
     "matmul": LinearKernel("matmul", lambda w: w.t().contiguous(), _matmul),
     "mkldnn": LinearKernel("mkldnn", _mkldnn_pack, _mkldnn),
-    "panel": LinearKernel("panel", PanelWeight, lambda x, w, bias: w.linear(x, bias)),
-    "bf16x3": LinearKernel("bf16x3", Bf16x3Weight, lambda x, w, bias: w.linear(x, bias), precision="high"),
+    "panel": LinearKernel(
+        "panel", PanelWeight, lambda x, w, bias: w.linear(x, bias), unavailable=cpu_gemm.unavailable_reason
+    ),
+    "bf16x3": LinearKernel(
+        "bf16x3",
+        Bf16x3Weight,
+        lambda x, w, bias: w.linear(x, bias),
+        precision="high",
+        unavailable=cpu_amx.unavailable_reason,
+    ),
     "q4-amx": LinearKernel(
-        "q4-amx", Q4AmxWeight, lambda x, w, bias: w.linear(x, bias), forms=frozenset({"q4"})
+        "q4-amx",
+        Q4AmxWeight,
+        lambda x, w, bias: w.linear(x, bias),
+        forms=frozenset({"q4"}),
+        unavailable=cpu_amx.unavailable_reason,
     ),
     "bf16-amx": LinearKernel(
         "bf16-amx",
         partial(Bf16x3Weight, exact=True),
         lambda x, w, bias: w.linear(x, bias),
         forms=frozenset({"bf16"}),
+        unavailable=cpu_amx.unavailable_reason,
     ),
     "panel-amx": LinearKernel(
         "panel-amx",
         partial(PanelWeight, amx=True),
         lambda x, w, bias: w.linear(x, bias),
         forms=frozenset({"q4", "q8"}),
+        unavailable=cpu_gemm.amx_unavailable_reason,
     ),
 }
 
@@ -352,6 +371,7 @@ class LinearKernelChooser:
     timed_cases: int = 0
     timed_seconds: float = 0.0
     failed: set[str] = field(default_factory=set)
+    absent: dict[str, str] = field(default_factory=dict)  # kernel -> why this machine cannot run it
     waited: Callable[[], float | None] = waited_seconds  # the threads' run-queue delay (tests inject)
     busy: dict[str, float] = field(default_factory=dict)  # shape key -> its timings' run-queue share
     choices: dict[str, str] = field(default_factory=dict)  # "name (out x in)" -> its plan, described
@@ -467,6 +487,7 @@ class LinearKernelChooser:
             if k not in self.failed
             and kern.permitted(self.precision)
             and (kern.forms is None or form in kern.forms)
+            and self._here(k)
         ]
         known = self.times.setdefault(shape, {})
         missing = [b for b in buckets if not set(names) <= set(known.get(b, {}))]
@@ -492,6 +513,15 @@ class LinearKernelChooser:
             self.timed_seconds += time.perf_counter() - start
             self.timed_cases += len(missing)
         return {b: {k: known[b][k] for k in names} for b in buckets}
+
+    def _here(self, kernel: str) -> bool:
+        """The kernel can run on this machine (else noted in `absent`, and logged once by `finish`)."""
+        if kernel not in self.absent:
+            reason = KERNELS[kernel].unavailable()
+            if reason is None:
+                return True
+            self.absent[kernel] = reason
+        return False
 
     def _measure(self, weight, bias, rows: int, layouts: dict[str, torch.Tensor]) -> dict[str, float]:
         gen = torch.Generator().manual_seed(rows)
@@ -531,6 +561,11 @@ class LinearKernelChooser:
             save_times(self.cache_path, {s: t for s, t in saved.items() if t is not None})
         if not self.on_cpu:
             return
+        if self.absent:
+            logger.info(
+                "linear kernels not offered on this machine: %s",
+                "; ".join(f"{k} ({why})" for k, why in sorted(self.absent.items())),
+            )
         if self.kernel != "auto":
             how = f"forced {self.kernel!r}"
         elif self.timed_cases:

@@ -243,7 +243,8 @@ static void micro_q4_##R(const float *x, const void *panel, int64_t K, float *y,
             vec w[2][2];                                                                          \
             q4_widen(blk + 128 + 16 * j, d0, d1, m0, m1, w);                                      \
             if (keep != NULL)                                                                     \
-                for (int h = 0; h < 4; h++) *(vec *)(keep + 16 * (Q4_BLOCK * b + 2 * j) + 8 * h) = w[h / 2][h % 2]; \
+                for (int h = 0; h < 4; h++)                                                       \
+                    *(vec *)(keep + 16 * (Q4_BLOCK * b + 2 * j) + 8 * h) = w[h / 2][h % 2];       \
             const float *xk = x + MR * (Q4_BLOCK * b + 2 * j);                                     \
             for (int h = 0; h < 2; h++)                                                           \
                 for (int r = 0; r < R; r++) {                                                     \
@@ -269,8 +270,8 @@ MICRO_Q4(1) MICRO_Q4(2) MICRO_Q4(3) MICRO_Q4(4) MICRO_Q4(5) MICRO_Q4(6)
 /* y[R][16] (rows ldy apart) = x[R][K] (rows ldx apart) . panel[K][16], plus y's own values when `add`
    (the partial sums of the preceding K block); R <= MR */
 typedef void (*micro_fn)(const float *, const void *, int64_t, float *, int64_t, int, const char *, int64_t);
-typedef void (*micro_q4_fn)(const float *, const void *, int64_t, float *, int64_t, int, const char *, int64_t,
-                            float *);
+typedef void (*micro_q4_fn)(const float *, const void *, int64_t, float *, int64_t, int, const char *,
+                            int64_t, float *);
 static const micro_fn micro[MR] = MICROS;
 static const micro_q4_fn micro_q4[MR] = MICROS_Q4;
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from .base import EngineOptions, Implementation, Output, Runner, Sampling
 from .fast import (
     FastCpu4Bit,
+    FastCpuBf16,
     FastCpuBf16Amx,
     FastCpuBf16x3,
     FastCpuKvBf16,
@@ -28,6 +29,7 @@ IMPLEMENTATIONS: dict[str, type[Implementation]] = {
         FastCpuBf16x3,
         FastCpuKvBf16,
         FastCpu4Bit,
+        FastCpuBf16,
         FastCpuQ4Amx,
         FastCpuPanelAmx,
         FastCpuBf16Amx,

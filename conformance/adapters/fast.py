@@ -17,6 +17,8 @@ fast-cpu-kv-bf16 attention_backend="torch" on CPU over a bf16 KV cache (kv_cache
                 K/V rounded to bf16, so held to vLLM's low-precision rule, not the fp32 one
 fast-cpu-4bit   fast-cpu-stack on weights that are a dequantized 4-bit checkpoint's (`weights`
                 "four-bit", the reference's too): the panel GEMM keeps them as 4-bit panels
+fast-cpu-bf16   fast-cpu-stack on the tiny models' weights rounded to bf16 (`weights` "bf16"): the panel
+                GEMM keeps them as bf16 panels, in the decode stack and alone
 fast-cpu-q4-amx attention_backend="torch" on CPU with every 4-bit linear through the AMX kernel for them
                 (linear_kernel="q4-amx"; CPUs with AMX-BF16), at "highest", held to the fp32 rule
 fast-cpu-bf16-amx weights exact in bf16 (a bf16 checkpoint loaded as fp32) through the AMX kernel with
@@ -384,6 +386,14 @@ class FastCpu4Bit(FastCpuStack):
 
     name = "fast-cpu-4bit"
     weights = "four-bit"
+
+
+class FastCpuBf16(FastCpuStack):
+    """fast-cpu-stack on bf16 weights (a bf16 checkpoint loaded as fp32): every value is exact in bf16, so
+    the panel GEMM reads bf16 panels (half the fp32 panels' bytes), in the decode stack and alone."""
+
+    name = "fast-cpu-bf16"
+    weights = "bf16"
 
 
 class FastCpuQ4Amx(_FastCpuAmx):

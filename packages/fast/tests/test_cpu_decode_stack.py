@@ -77,12 +77,17 @@ def test_stack_equals_per_op_layers(tiny, name, threads, kv_cache_dtype):
     assert torch.equal(kv_per_op, kv_fused)
 
 
+@pytest.mark.parametrize("form", ["q4", "bf16"])
 @pytest.mark.parametrize("name", ["swiftkv_g1", "hybrid_swiftkv"])
-def test_stack_over_4_bit_panels_equals_fp32_panels(tiny, name, monkeypatch):
-    """Weights that are a dequantized 4-bit checkpoint's: the stack reads them as 4-bit panels and gives
-    the fp32 panels' logits and KV cache bit for bit (the per-op path too, on prompt steps)."""
+def test_stack_over_compact_panels_equals_fp32_panels(tiny, name, form, monkeypatch):
+    """Weights that are a dequantized 4-bit checkpoint's, or a bf16 one's: the stack reads them as 4-bit
+    or bf16 panels and gives the fp32 panels' logits and KV cache bit for bit (the per-op path too, on
+    prompt steps)."""
     cfg, state, _ = tiny(**TINY_MODELS[name])
-    state = four_bit_state_dict(state)
+    if form == "q4":
+        state = four_bit_state_dict(state)
+    else:
+        state = {k: v.to(torch.bfloat16).float() for k, v in state.items()}
     prompts = random_prompts(4, cfg.vocab_size, [3, 40, 9, 25], seed=5)
     runs = {}
     for four_bit in ("0", "1"):
@@ -90,7 +95,7 @@ def test_stack_over_4_bit_panels_equals_fp32_panels(tiny, name, monkeypatch):
         llm = LLM.from_state_dict(cfg, state, **ENGINE)
         model = llm.llm_engine.runner.model
         formats = {lin.layouts["panel"].format for x in model.stacks[0].layers for lin in layer_linears(x)}
-        assert formats == {"fp32" if four_bit == "0" else "q4"}
+        assert formats == {"fp32" if four_bit == "0" else form}
         runs[four_bit] = (llm.generate(prompts, GREEDY, use_tqdm=False), llm.llm_engine.runner.kv_cache)
         assert all(s.calls > 0 for s in model.stacks if s.layers)
     (full, kv_full), (compact, kv_compact) = runs["0"], runs["1"]

@@ -1,7 +1,8 @@
 """Weights that are exactly 4-bit blocks (kernels/weight_forms.py): found only where every value is d q + m
-per block of 32 inputs; the panel GEMM's 4-bit layout then gives the fp32 layout's results bit for bit
-(both register-block widths, the fused prologues, a bias), and the AMX kernel for them (q4-amx) is an
-fp32 product, a chooser candidate for such weights only."""
+per block of 32 inputs; the panel GEMM's 4-bit layout (and its bf16 layout, for weights exact in bf16)
+then gives the fp32 layout's results bit for bit (both register-block widths, the fused prologues, a
+bias), and the AMX kernel for them (q4-amx) is an fp32 product, a chooser candidate for such weights
+only."""
 
 from __future__ import annotations
 
@@ -101,16 +102,29 @@ pytestmark_kernel = pytest.mark.skipif(
 )
 
 
+def bf16_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (0.05 * torch.randn(out_features, in_features, generator=g)).to(torch.bfloat16).float()
+
+
+COMPACT = {"q4": (q4_1, 12), "bf16": (bf16_weight, 32)}  # form: (a weight of it, bytes per input and panel)
+
+
 @pytestmark_kernel
 @pytest.mark.parametrize("out_features, in_features", [(16, 32), (40, 96), (7, 64), (200, 576), (33, 1536)])
 @pytest.mark.parametrize("avx512", [True, False])
-def test_4_bit_panels_give_the_fp32_panels_results_bit_for_bit(out_features, in_features, avx512):
-    w = q4_1(out_features, in_features, seed=out_features)
+@pytest.mark.parametrize("form", COMPACT)
+def test_compact_panels_give_the_fp32_panels_results_bit_for_bit(out_features, in_features, avx512, form):
+    """4-bit and bf16 panels rebuild the fp32 weights exactly and run the same FMAs: the fp32 panels'
+    results bit for bit, at row counts of one register block and of several (each slice rebuilt once
+    and kept for the item's other blocks)."""
+    make, in_bytes = COMPACT[form]
+    w = make(out_features, in_features, seed=out_features)
     compact = cpu_gemm.PanelWeight(w, avx512=avx512)
     full = cpu_gemm.PanelWeight(w, avx512=avx512, compact=False)
-    assert (compact.format, full.format) == ("q4", "fp32")
+    assert (compact.format, full.format) == (form, "fp32")
     panels = -(-out_features // 16)
-    assert compact.nbytes == panels * in_features * 12 and full.nbytes == panels * in_features * 64
+    assert compact.nbytes == panels * in_features * in_bytes and full.nbytes == panels * in_features * 64
     bias = torch.randn(out_features)
     for rows in (1, 5, 6, 7, 16, 17, 40, 300):
         x = torch.randn(rows, in_features)
@@ -121,8 +135,10 @@ def test_4_bit_panels_give_the_fp32_panels_results_bit_for_bit(out_features, in_
 
 @pytestmark_kernel
 @pytest.mark.parametrize("avx512", [True, False])
-def test_4_bit_panels_with_the_fused_prologues(avx512):
-    w = q4_1(48, 64, seed=3)
+@pytest.mark.parametrize("form", COMPACT)
+def test_compact_panels_with_the_fused_prologues(avx512, form):
+    make = COMPACT[form][0]
+    w = make(48, 64, seed=3)
     compact = cpu_gemm.PanelWeight(w, avx512=avx512)
     full = cpu_gemm.PanelWeight(w, avx512=avx512, compact=False)
     norm_weight = 1 + 0.1 * torch.randn(64)
@@ -133,8 +149,9 @@ def test_4_bit_panels_with_the_fused_prologues(avx512):
         b = full.linear_after_norm(h2, delta, norm_weight, 1e-5)
         assert torch.equal(a, b) and torch.equal(h, h2)
         gate_up = torch.randn(rows, 128)
-        mlp = cpu_gemm.PanelWeight(q4_1(16, 64, seed=4), avx512=avx512)
-        mlp_full = cpu_gemm.PanelWeight(q4_1(16, 64, seed=4), avx512=avx512, compact=False)
+        mlp = cpu_gemm.PanelWeight(make(16, 64, seed=4), avx512=avx512)
+        mlp_full = cpu_gemm.PanelWeight(make(16, 64, seed=4), avx512=avx512, compact=False)
+        assert mlp.format == form
         assert torch.equal(
             mlp.linear_after_silu_and_mul(gate_up), mlp_full.linear_after_silu_and_mul(gate_up)
         )

@@ -55,7 +55,7 @@ struct stack_linear {
     const void *packed;   /* the panel GEMM's layout of W: (ceil(N / 16), K, 16) fp32 or 4-bit blocks */
     const float *bias;    /* (N,) or NULL */
     int64_t N, K;
-    int64_t format;       /* PANEL_F32 or PANEL_Q4 */
+    int64_t format;       /* PANEL_*: the panel GEMM's formats */
 };
 
 struct stack_layer {

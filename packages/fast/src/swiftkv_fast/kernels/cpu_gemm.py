@@ -77,7 +77,7 @@ import torch
 
 from swiftkv_fast.kernels import cpu_amx, cpu_compile, cpu_gemm_amx
 from swiftkv_fast.kernels._common import dense_rows
-from swiftkv_fast.kernels.weight_forms import FormMismatch, q4_panels, q8_panels
+from swiftkv_fast.kernels.weight_forms import FormMismatch, bf16_panels, q4_panels, q8_panels
 
 ENV_SWITCH = "SWIFTKV_CPU_GEMM_KERNEL"
 FOUR_BIT_SWITCH = "SWIFTKV_CPU_GEMM_4BIT"  # "0": keep every panel in fp32 (for comparisons)
@@ -106,6 +106,8 @@ SOURCE = (
 #define PANEL_Q4 1
 #define PANEL_Q4_AMX 2  /* the 4-bit panels multiplied on AMX tiles (below) */
 #define PANEL_Q8_AMX 3  /* 8-bit panels (d q per block, GGUF's Q8_0), on AMX tiles only */
+#define PANEL_BF16 4     /* a weight whose every value is exact in bf16 (a bf16 checkpoint loaded as fp32):
+                            its panels' bf16 bits, (K, 16) uint16 per panel, widened exactly (<< 16) */
 /* an 8-bit panel's block: d[16], m[16] (zeros), then per pair of inputs the 16 columns' two int8 codes */
 #define Q8_BLOCK_BYTES (2 * 16 * 4 + 16 * Q4_BLOCK)
 #define PANEL_AMX(format) ((format) == PANEL_Q4_AMX || (format) == PANEL_Q8_AMX)
@@ -175,6 +177,29 @@ MICRO_Q4(9) MICRO_Q4(10) MICRO_Q4(11) MICRO_Q4(12) MICRO_Q4(13) MICRO_Q4(14) MIC
 #define MICROS_Q4 {micro_q4_1, micro_q4_2, micro_q4_3, micro_q4_4, micro_q4_5, micro_q4_6, micro_q4_7,   \
                    micro_q4_8, micro_q4_9, micro_q4_10, micro_q4_11, micro_q4_12, micro_q4_13,            \
                    micro_q4_14, micro_q4_15, micro_q4_16}
+/* The same over a bf16 panel: each input's 16 weights widened exactly (bf16 bits << 16), then the FMAs
+   of micro##R; with `keep`, stored there as an fp32 panel's rows. */
+#define MICRO_BF16(R)                                                                             \
+static void micro_bf16_##R(const float *x, const void *panel, int64_t K, float *y, int64_t ldy,   \
+                           int add, const char *pf, int64_t pf_step, float *keep) {               \
+    const uint16_t *bits = panel;                                                                 \
+    vec acc[R];                                                                                   \
+    for (int r = 0; r < R; r++) acc[r] = add ? *(const vec *)(y + r * ldy) : (vec){0};             \
+    for (int64_t k = 0; k < K; k++) {                                                             \
+        __builtin_prefetch(pf + pf_step * k, 0, 1);                                               \
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(bits + 16 * k));                 \
+        const vec w = (vec)_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16);                     \
+        if (keep != NULL) *(vec *)(keep + 16 * k) = w;                                            \
+        for (int r = 0; r < R; r++) acc[r] += x[MR * k + r] * w;                                  \
+    }                                                                                             \
+    for (int r = 0; r < R; r++) *(vec *)(y + r * ldy) = acc[r];                                   \
+}
+MICRO_BF16(1) MICRO_BF16(2) MICRO_BF16(3) MICRO_BF16(4) MICRO_BF16(5) MICRO_BF16(6) MICRO_BF16(7)
+MICRO_BF16(8) MICRO_BF16(9) MICRO_BF16(10) MICRO_BF16(11) MICRO_BF16(12) MICRO_BF16(13) MICRO_BF16(14)
+MICRO_BF16(15) MICRO_BF16(16)
+#define MICROS_BF16 {micro_bf16_1, micro_bf16_2, micro_bf16_3, micro_bf16_4, micro_bf16_5, micro_bf16_6,     \
+                     micro_bf16_7, micro_bf16_8, micro_bf16_9, micro_bf16_10, micro_bf16_11, micro_bf16_12,  \
+                     micro_bf16_13, micro_bf16_14, micro_bf16_15, micro_bf16_16}
 #else
 /* 16 vector registers of 8 lanes: up to 6 rows x one panel in 12 accumulators */
 #define MR 6
@@ -263,6 +288,51 @@ static void micro_q4_##R(const float *x, const void *panel, int64_t K, float *y,
 }
 MICRO_Q4(1) MICRO_Q4(2) MICRO_Q4(3) MICRO_Q4(4) MICRO_Q4(5) MICRO_Q4(6)
 #define MICROS_Q4 {micro_q4_1, micro_q4_2, micro_q4_3, micro_q4_4, micro_q4_5, micro_q4_6}
+/* 8 bf16 weights widened exactly to fp32 (bits << 16) */
+#if defined(__AVX2__)
+static inline vec bf16_widen(const uint16_t *bits) {
+    return (vec)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)bits)), 16);
+}
+#else
+static inline vec bf16_widen(const uint16_t *bits) {
+    vec w;
+    for (int c = 0; c < 8; c++) {
+        const uint32_t u = (uint32_t)bits[c] << 16;
+        memcpy(&w[c], &u, 4);
+    }
+    return w;
+}
+#endif
+/* The same over a bf16 panel: each input's 16 weights widened as two halves of 8 lanes */
+#define MICRO_BF16(R)                                                                             \
+static void micro_bf16_##R(const float *x, const void *panel, int64_t K, float *y, int64_t ldy,   \
+                           int add, const char *pf, int64_t pf_step, float *keep) {               \
+    const uint16_t *bits = panel;                                                                 \
+    vec acc[R][2];                                                                                \
+    for (int r = 0; r < R; r++) {                                                                 \
+        acc[r][0] = add ? *(const vec *)(y + r * ldy) : (vec){0};                                 \
+        acc[r][1] = add ? *(const vec *)(y + r * ldy + 8) : (vec){0};                             \
+    }                                                                                             \
+    for (int64_t k = 0; k < K; k++) {                                                             \
+        __builtin_prefetch(pf + pf_step * k, 0, 1);                                               \
+        const vec w0 = bf16_widen(bits + 16 * k), w1 = bf16_widen(bits + 16 * k + 8);             \
+        if (keep != NULL) {                                                                       \
+            *(vec *)(keep + 16 * k) = w0;                                                         \
+            *(vec *)(keep + 16 * k + 8) = w1;                                                     \
+        }                                                                                         \
+        for (int r = 0; r < R; r++) {                                                             \
+            const float xv = x[MR * k + r];                                                       \
+            acc[r][0] += xv * w0;                                                                 \
+            acc[r][1] += xv * w1;                                                                 \
+        }                                                                                         \
+    }                                                                                             \
+    for (int r = 0; r < R; r++) {                                                                 \
+        *(vec *)(y + r * ldy) = acc[r][0];                                                        \
+        *(vec *)(y + r * ldy + 8) = acc[r][1];                                                    \
+    }                                                                                             \
+}
+MICRO_BF16(1) MICRO_BF16(2) MICRO_BF16(3) MICRO_BF16(4) MICRO_BF16(5) MICRO_BF16(6)
+#define MICROS_BF16 {micro_bf16_1, micro_bf16_2, micro_bf16_3, micro_bf16_4, micro_bf16_5, micro_bf16_6}
 #endif
 #define GROUPS_PER_ITEM (96 / MR)  /* at most this many register blocks (about 96 rows of x) in an item,
                                       which keeps them in cache across its panel */
@@ -270,10 +340,11 @@ MICRO_Q4(1) MICRO_Q4(2) MICRO_Q4(3) MICRO_Q4(4) MICRO_Q4(5) MICRO_Q4(6)
 /* y[R][16] (rows ldy apart) = x[R][K] (rows ldx apart) . panel[K][16], plus y's own values when `add`
    (the partial sums of the preceding K block); R <= MR */
 typedef void (*micro_fn)(const float *, const void *, int64_t, float *, int64_t, int, const char *, int64_t);
-typedef void (*micro_q4_fn)(const float *, const void *, int64_t, float *, int64_t, int, const char *,
-                            int64_t, float *);
+/* the same over a 4-bit or bf16 panel, the rebuilt weights also stored in `keep` (K, 16) unless NULL */
+typedef void (*micro_rebuild_fn)(const float *, const void *, int64_t, float *, int64_t, int, const char *,
+                                 int64_t, float *);
 static const micro_fn micro[MR] = MICROS;
-static const micro_q4_fn micro_q4[MR] = MICROS_Q4;
+static const micro_rebuild_fn micro_q4[MR] = MICROS_Q4, micro_bf16[MR] = MICROS_BF16;
 
 int swiftkv_gemm_rows_per_block(void) { return MR; }
 
@@ -387,16 +458,18 @@ static inline int64_t gemm_items(struct gemm_rows rows, int64_t N) {
 }
 
 /* Inside a parallel region, after gemm_pack_x (a worksharing loop over the items): y (M, N)
-   contiguous = xp times the packed W^T (`format` PANEL_F32 or PANEL_Q4), plus bias (N,) unless NULL.
-   Over a 4-bit panel, an item's first register block rebuilds each slice's weights in registers
-   (micro_q4) and keeps them in an fp32 buffer that the item's other blocks read from L1 with the fp32
-   micro kernels: each weight is rebuilt once per item instead of once per block, which had cost each
-   block FMA-port slots (AVX2, 6-row blocks: 32 rows 89-95 -> 121-135 GFLOP/s, 64 rows 93-98 ->
-   151-156). The same FMAs in the same order either way, so the results are the same bit for bit. */
+   contiguous = xp times the packed W^T (`format` PANEL_F32, PANEL_Q4 or PANEL_BF16, or on AMX
+   PANEL_Q4_AMX / PANEL_Q8_AMX), plus bias (N,) unless NULL. Over a 4-bit or bf16 panel, an item's
+   first register block rebuilds each slice's weights in registers (micro_q4, micro_bf16) and keeps them
+   in an fp32 buffer that the item's other blocks read from L1 with the fp32 micro kernels: each weight
+   is rebuilt once per item instead of once per block, which had cost each block FMA-port slots (4-bit,
+   AVX2, 6-row blocks: 32 rows 89-95 -> 121-135 GFLOP/s, 64 rows 93-98 -> 151-156). The same FMAs in
+   the same order either way, so the results are the fp32 panels' bit for bit. */
 static void gemm_run(const float *xp, const void *packed, int format, const float *bias, float *y,
                      int64_t N, int64_t K, struct gemm_rows rows) {
     const int64_t panels = (N + 15) / 16, groups = rows.groups;
-    const int q4 = format != PANEL_F32;
+    const int q4 = format == PANEL_Q4, bf16 = format == PANEL_BF16;
+    const micro_rebuild_fn *rebuild = q4 ? micro_q4 : micro_bf16;
 #if HAVE_AMX_Q4
     if (PANEL_AMX(format)) {
         amx_run((const uint16_t *)xp, packed, bias, y, N, K, rows, format);
@@ -404,7 +477,7 @@ static void gemm_run(const float *xp, const void *packed, int format, const floa
     }
 #endif
     /* bytes per input and panel; inputs per prefetch (the 4-bit micro kernels prefetch once a pair) */
-    const int64_t in_bytes = q4 ? Q4_BLOCK_BYTES / Q4_BLOCK : 64, pf_inputs = q4 ? 2 : 1;
+    const int64_t in_bytes = q4 ? Q4_BLOCK_BYTES / Q4_BLOCK : bf16 ? 32 : 64, pf_inputs = q4 ? 2 : 1;
     #pragma omp for schedule(static)
     for (int64_t item = 0; item < gemm_items(rows, N); item++) {
         const int64_t g0 = (item / panels) * rows.per_item, p = item % panels;
@@ -413,7 +486,7 @@ static void gemm_run(const float *xp, const void *packed, int format, const floa
         const char *panel = (const char *)packed + p * K * in_bytes;
         const int full = n0 + 16 <= N;
         float tmp[GROUPS_PER_ITEM * MR * 16];  /* a panel past N: its outputs before the copy */
-        float kept[IN_BLOCK * 16] __attribute__((aligned(64)));  /* a 4-bit slice rebuilt in fp32 */
+        float kept[IN_BLOCK * 16] __attribute__((aligned(64)));  /* a 4-bit / bf16 slice in fp32 */
         float *out = full ? y + m0 * N + n0 : tmp;
         const int64_t ldo = full ? N : 16;
         for (int64_t k0 = 0; k0 < K; k0 += IN_BLOCK) {
@@ -430,11 +503,11 @@ static void gemm_run(const float *xp, const void *packed, int format, const floa
                 const int64_t m = GROUP_START(g), r = GROUP_START(g + 1) - m - 1;
                 const float *xg = xp + g * K * MR + k0 * MR;
                 const char *pf = ahead + (g - g0) * step * (kc / pf_inputs);
-                if (!q4)
+                if (!q4 && !bf16)
                     micro[r](xg, panel + in_bytes * k0, kc, out + (m - m0) * ldo, ldo, k0 > 0, pf, step);
                 else if (g == g0)
-                    micro_q4[r](xg, panel + in_bytes * k0, kc, out + (m - m0) * ldo, ldo, k0 > 0, pf, step,
-                                g1 - g0 > 1 ? kept : NULL);
+                    rebuild[r](xg, panel + in_bytes * k0, kc, out + (m - m0) * ldo, ldo, k0 > 0, pf, step,
+                               g1 - g0 > 1 ? kept : NULL);
                 else  /* the fp32 kernels prefetch once per input, the 4-bit ones once per pair */
                     micro[r](xg, kept, kc, out + (m - m0) * ldo, ldo, k0 > 0, pf, step / pf_inputs);
             }
@@ -516,8 +589,9 @@ class PanelWeight:
     `avx512=False` builds the 8-lane register blocks even where the compiler targets AVX-512 (so tests
     check both paths on an AVX-512 machine); `rows_per_block` says which one runs (16 or 6 rows).
     `compact`: where W is exactly a 4-bit block-quantized weight (kernels/weight_forms.py), keep it in the
-    4-bit layout (`format` "q4"; the results are bit-identical to the fp32 layout's, `format` "fp32");
-    None: unless SWIFTKV_CPU_GEMM_4BIT=0. `amx`: multiply the panels on AMX tiles, 4-bit (`format`
+    4-bit layout (`format` "q4"), else where every value is exact in bf16 in the bf16 layout ("bf16"):
+    the results are bit-identical to the fp32 layout's (`format` "fp32"); None: unless
+    SWIFTKV_CPU_GEMM_4BIT=0. `amx`: multiply the panels on AMX tiles, 4-bit (`format`
     "q4-amx": exact products, fp32 sums; the same bytes) or 8-bit ("q8-amx", for a weight exactly 8-bit
     blocks); raises FormMismatch where W has neither form, RuntimeError where AMX cannot run here."""
 
@@ -545,6 +619,8 @@ class PanelWeight:
             blocks, self.format = q8_panels(weight, PANEL), "q8-amx"  # (panels, in / 32, 640) bytes
             if blocks is None:
                 raise FormMismatch(f"a {tuple(weight.shape)} weight that is not exactly 4- or 8-bit blocks")
+        if blocks is None and compact:
+            blocks, self.format = bf16_panels(weight, PANEL), "bf16"  # (panels, in, 16) bf16
         if blocks is not None:
             self.packed = blocks
         else:
@@ -630,7 +706,7 @@ class PanelWeight:
 
 
 _NONE, _RMS_NORM, _SILU_MUL = 0, 1, 2  # the C kernel's PROLOGUE_* values
-FORMATS = {"fp32": 0, "q4": 1, "q4-amx": 2, "q8-amx": 3}  # the C kernel's PANEL_* values
+FORMATS = {"fp32": 0, "q4": 1, "q4-amx": 2, "q8-amx": 3, "bf16": 4}  # the C kernel's PANEL_* values
 
 
 def _check_rows(name: str, t: torch.Tensor, width: int) -> None:

@@ -138,6 +138,16 @@ def q4_panels(weight: torch.Tensor, panel: int = 16) -> torch.Tensor | None:
     return torch.cat([_scales(d, panel), _scales(m, panel), codes], dim=-1).contiguous()
 
 
+def bf16_panels(weight: torch.Tensor, panel: int = 16) -> torch.Tensor | None:
+    """weight (N, K) fp32 in the panel GEMM's bf16 layout, (ceil(N / panel), K, panel) bf16: the fp32
+    panels' values, each exact in bf16 (zeros past N). None where a value is not (`bf16_exact`)."""
+    if not bf16_exact(weight):
+        return None
+    panels = -(-weight.shape[0] // panel)
+    padded = _padded(weight.to(torch.bfloat16), panels * panel)
+    return padded.view(panels, panel, -1).transpose(1, 2).contiguous()
+
+
 def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
     """t (N, ...) with zero rows appended up to `rows` (columns past N of the last panel)."""
     return torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[0]))

@@ -242,8 +242,9 @@ class DecodeStack:
 
 
 def stack_panel(lin: Linear) -> PanelWeight | None:
-    """The panel layout the stack reads for `lin` (fp32, 4-bit or 4-bit on AMX): the one its plan runs
-    at one row, else the one it keeps besides (the spare the kernel chooser packed for the stack)."""
+    """The panel layout the stack reads for `lin` (fp32, 4-bit, bf16, or on AMX 4-/8-bit): the one its
+    plan runs at one row, else the one it keeps besides (the spare the kernel chooser packed for the
+    stack)."""
     at_one_row = lin.panel_at(1)
     if at_one_row is not None:
         return at_one_row

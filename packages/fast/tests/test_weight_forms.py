@@ -107,7 +107,8 @@ def bf16_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Ten
     return (0.05 * torch.randn(out_features, in_features, generator=g)).to(torch.bfloat16).float()
 
 
-COMPACT = {"q4": (q4_1, 12), "bf16": (bf16_weight, 32)}  # form: (a weight of it, bytes per input and panel)
+# form: (a weight of that form, bytes per input and panel)
+COMPACT = {"q4": (q4_1, 12), "q8": (q8_0, 20), "bf16": (bf16_weight, 32)}
 
 
 @pytestmark_kernel
@@ -115,9 +116,9 @@ COMPACT = {"q4": (q4_1, 12), "bf16": (bf16_weight, 32)}  # form: (a weight of it
 @pytest.mark.parametrize("avx512", [True, False])
 @pytest.mark.parametrize("form", COMPACT)
 def test_compact_panels_give_the_fp32_panels_results_bit_for_bit(out_features, in_features, avx512, form):
-    """4-bit and bf16 panels rebuild the fp32 weights exactly and run the same FMAs: the fp32 panels'
-    results bit for bit, at row counts of one register block and of several (each slice rebuilt once
-    and kept for the item's other blocks)."""
+    """4-bit, 8-bit and bf16 panels rebuild the fp32 weights exactly and run the same FMAs: the fp32
+    panels' results bit for bit, at row counts of one register block and of several (each slice rebuilt
+    once and kept for the item's other blocks)."""
     make, in_bytes = COMPACT[form]
     w = make(out_features, in_features, seed=out_features)
     compact = cpu_gemm.PanelWeight(w, avx512=avx512)
@@ -299,7 +300,7 @@ def test_8_bit_panels_on_amx_are_an_fp32_product():
     the codes exact in bf16, as close to the fp64 product as F.linear."""
     w = q8_0(1000, 576)
     tiles = cpu_gemm.PanelWeight(w, amx=True)
-    assert tiles.format == "q8-amx" and cpu_gemm.PanelWeight(w).format == "fp32"
+    assert tiles.format == "q8-amx" and cpu_gemm.PanelWeight(w).format == "q8"
     assert tiles.nbytes == -(-1000 // 16) * 576 * 20
     g = torch.Generator().manual_seed(3)
     for rows in (1, 16, 17, 100):

@@ -108,6 +108,7 @@ SOURCE = (
 #define PANEL_Q8_AMX 3  /* 8-bit panels (d q per block, GGUF's Q8_0), on AMX tiles only */
 #define PANEL_BF16 4     /* a weight whose every value is exact in bf16 (a bf16 checkpoint loaded as fp32):
                             its panels' bf16 bits, (K, 16) uint16 per panel, widened exactly (<< 16) */
+#define PANEL_Q8 5       /* the 8-bit panels (PANEL_Q8_AMX's bytes) on FMAs: d q rebuilt per pair of inputs */
 /* an 8-bit panel's block: d[16], m[16] (zeros), then per pair of inputs the 16 columns' two int8 codes */
 #define Q8_BLOCK_BYTES (2 * 16 * 4 + 16 * Q4_BLOCK)
 #define PANEL_AMX(format) ((format) == PANEL_Q4_AMX || (format) == PANEL_Q8_AMX)
@@ -200,6 +201,40 @@ MICRO_BF16(15) MICRO_BF16(16)
 #define MICROS_BF16 {micro_bf16_1, micro_bf16_2, micro_bf16_3, micro_bf16_4, micro_bf16_5, micro_bf16_6,     \
                      micro_bf16_7, micro_bf16_8, micro_bf16_9, micro_bf16_10, micro_bf16_11, micro_bf16_12,  \
                      micro_bf16_13, micro_bf16_14, micro_bf16_15, micro_bf16_16}
+/* The same over an 8-bit panel (see Q8_BLOCK_BYTES): per pair of inputs, the 16 columns' two codes as 16
+   words sign-extended to 16 lanes, each input's code sign-extended from its byte, converted and scaled,
+   d q (exact), then the FMAs of micro_q4_##R in the same order. */
+#define MICRO_Q8(R)                                                                               \
+static void micro_q8_##R(const float *x, const void *panel, int64_t K, float *y, int64_t ldy,     \
+                         int add, const char *pf, int64_t pf_step, float *keep) {                 \
+    vec acc[R];                                                                                   \
+    for (int r = 0; r < R; r++) acc[r] = add ? *(const vec *)(y + r * ldy) : (vec){0};             \
+    const unsigned char *blk = panel;                                                             \
+    for (int64_t b = 0; b < K / Q4_BLOCK; b++, blk += Q8_BLOCK_BYTES) {                           \
+        const vec d = *(const vec *)blk;                                                          \
+        for (int j = 0; j < Q4_BLOCK / 2; j++) {                                                  \
+            __builtin_prefetch(pf + pf_step * (Q4_BLOCK / 2 * b + j), 0, 1);                      \
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * j));        \
+            const __m512i c = _mm512_cvtepi16_epi32(raw);                                         \
+            const vec w0 = (vec)_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(c, 24), 24)) * d; \
+            const vec w1 = (vec)_mm512_cvtepi32_ps(_mm512_srai_epi32(c, 8)) * d;                 \
+            if (keep != NULL) {                                                                   \
+                *(vec *)(keep + 16 * (Q4_BLOCK * b + 2 * j)) = w0;                                \
+                *(vec *)(keep + 16 * (Q4_BLOCK * b + 2 * j) + 16) = w1;                           \
+            }                                                                                     \
+            const float *xk = x + MR * (Q4_BLOCK * b + 2 * j);                                     \
+            for (int r = 0; r < R; r++) acc[r] += xk[r] * w0;                                     \
+            for (int r = 0; r < R; r++) IN_ORDER(acc[r]);                                         \
+            for (int r = 0; r < R; r++) acc[r] += xk[MR + r] * w1;                                \
+        }                                                                                         \
+    }                                                                                             \
+    for (int r = 0; r < R; r++) *(vec *)(y + r * ldy) = acc[r];                                   \
+}
+MICRO_Q8(1) MICRO_Q8(2) MICRO_Q8(3) MICRO_Q8(4) MICRO_Q8(5) MICRO_Q8(6) MICRO_Q8(7) MICRO_Q8(8)
+MICRO_Q8(9) MICRO_Q8(10) MICRO_Q8(11) MICRO_Q8(12) MICRO_Q8(13) MICRO_Q8(14) MICRO_Q8(15) MICRO_Q8(16)
+#define MICROS_Q8 {micro_q8_1, micro_q8_2, micro_q8_3, micro_q8_4, micro_q8_5, micro_q8_6, micro_q8_7,   \
+                   micro_q8_8, micro_q8_9, micro_q8_10, micro_q8_11, micro_q8_12, micro_q8_13,            \
+                   micro_q8_14, micro_q8_15, micro_q8_16}
 #else
 /* 16 vector registers of 8 lanes: up to 6 rows x one panel in 12 accumulators */
 #define MR 6
@@ -333,6 +368,64 @@ static void micro_bf16_##R(const float *x, const void *panel, int64_t K, float *
 }
 MICRO_BF16(1) MICRO_BF16(2) MICRO_BF16(3) MICRO_BF16(4) MICRO_BF16(5) MICRO_BF16(6)
 #define MICROS_BF16 {micro_bf16_1, micro_bf16_2, micro_bf16_3, micro_bf16_4, micro_bf16_5, micro_bf16_6}
+/* w[i][h] = d q of input i of a pair, columns [8 h, 8 h + 8), from the pair's 32 code bytes */
+#if defined(__AVX2__)
+static inline void q8_widen(const unsigned char *codes, vec d0, vec d1, vec w[2][2]) {
+    const __m256i c0 = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)codes));
+    const __m256i c1 = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(codes + 16)));
+    w[0][0] = (vec)_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(c0, 24), 24)) * d0;
+    w[0][1] = (vec)_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(c1, 24), 24)) * d1;
+    w[1][0] = (vec)_mm256_cvtepi32_ps(_mm256_srai_epi32(c0, 8)) * d0;
+    w[1][1] = (vec)_mm256_cvtepi32_ps(_mm256_srai_epi32(c1, 8)) * d1;
+}
+#else
+static inline void q8_widen(const unsigned char *codes, vec d0, vec d1, vec w[2][2]) {
+    const signed char *q = (const signed char *)codes;
+    for (int c = 0; c < 8; c++) {
+        w[0][0][c] = (float)q[2 * c] * d0[c];
+        w[0][1][c] = (float)q[16 + 2 * c] * d1[c];
+        w[1][0][c] = (float)q[2 * c + 1] * d0[c];
+        w[1][1][c] = (float)q[16 + 2 * c + 1] * d1[c];
+    }
+}
+#endif
+/* The same over an 8-bit panel: a pair of inputs' 32 code bytes widened as two halves of 8 lanes */
+#define MICRO_Q8(R)                                                                               \
+static void micro_q8_##R(const float *x, const void *panel, int64_t K, float *y, int64_t ldy,     \
+                         int add, const char *pf, int64_t pf_step, float *keep) {                 \
+    vec acc[R][2];                                                                                \
+    for (int r = 0; r < R; r++) {                                                                 \
+        acc[r][0] = add ? *(const vec *)(y + r * ldy) : (vec){0};                                 \
+        acc[r][1] = add ? *(const vec *)(y + r * ldy + 8) : (vec){0};                             \
+    }                                                                                             \
+    const unsigned char *blk = panel;                                                             \
+    for (int64_t b = 0; b < K / Q4_BLOCK; b++, blk += Q8_BLOCK_BYTES) {                           \
+        const vec d0 = *(const vec *)blk, d1 = *(const vec *)(blk + 32);                          \
+        for (int j = 0; j < Q4_BLOCK / 2; j++) {                                                  \
+            __builtin_prefetch(pf + pf_step * (Q4_BLOCK / 2 * b + j), 0, 1);                      \
+            vec w[2][2];                                                                          \
+            q8_widen(blk + 128 + 32 * j, d0, d1, w);                                              \
+            if (keep != NULL)                                                                     \
+                for (int h = 0; h < 4; h++)                                                       \
+                    *(vec *)(keep + 16 * (Q4_BLOCK * b + 2 * j) + 8 * h) = w[h / 2][h % 2];       \
+            const float *xk = x + MR * (Q4_BLOCK * b + 2 * j);                                     \
+            for (int h = 0; h < 2; h++)                                                           \
+                for (int r = 0; r < R; r++) {                                                     \
+                    const float xv = xk[MR * h + r];                                              \
+                    acc[r][0] += xv * w[h][0];                                                    \
+                    acc[r][1] += xv * w[h][1];                                                    \
+                    IN_ORDER(acc[r][0]);                                                          \
+                    IN_ORDER(acc[r][1]);                                                          \
+                }                                                                                 \
+        }                                                                                         \
+    }                                                                                             \
+    for (int r = 0; r < R; r++) {                                                                 \
+        *(vec *)(y + r * ldy) = acc[r][0];                                                        \
+        *(vec *)(y + r * ldy + 8) = acc[r][1];                                                    \
+    }                                                                                             \
+}
+MICRO_Q8(1) MICRO_Q8(2) MICRO_Q8(3) MICRO_Q8(4) MICRO_Q8(5) MICRO_Q8(6)
+#define MICROS_Q8 {micro_q8_1, micro_q8_2, micro_q8_3, micro_q8_4, micro_q8_5, micro_q8_6}
 #endif
 #define GROUPS_PER_ITEM (96 / MR)  /* at most this many register blocks (about 96 rows of x) in an item,
                                       which keeps them in cache across its panel */
@@ -340,11 +433,13 @@ MICRO_BF16(1) MICRO_BF16(2) MICRO_BF16(3) MICRO_BF16(4) MICRO_BF16(5) MICRO_BF16
 /* y[R][16] (rows ldy apart) = x[R][K] (rows ldx apart) . panel[K][16], plus y's own values when `add`
    (the partial sums of the preceding K block); R <= MR */
 typedef void (*micro_fn)(const float *, const void *, int64_t, float *, int64_t, int, const char *, int64_t);
-/* the same over a 4-bit or bf16 panel, the rebuilt weights also stored in `keep` (K, 16) unless NULL */
+/* the same over a 4-bit, 8-bit or bf16 panel, the rebuilt weights also stored in `keep` (K, 16) unless
+   NULL */
 typedef void (*micro_rebuild_fn)(const float *, const void *, int64_t, float *, int64_t, int, const char *,
                                  int64_t, float *);
 static const micro_fn micro[MR] = MICROS;
-static const micro_rebuild_fn micro_q4[MR] = MICROS_Q4, micro_bf16[MR] = MICROS_BF16;
+static const micro_rebuild_fn micro_q4[MR] = MICROS_Q4, micro_q8[MR] = MICROS_Q8;
+static const micro_rebuild_fn micro_bf16[MR] = MICROS_BF16;
 
 int swiftkv_gemm_rows_per_block(void) { return MR; }
 
@@ -458,9 +553,9 @@ static inline int64_t gemm_items(struct gemm_rows rows, int64_t N) {
 }
 
 /* Inside a parallel region, after gemm_pack_x (a worksharing loop over the items): y (M, N)
-   contiguous = xp times the packed W^T (`format` PANEL_F32, PANEL_Q4 or PANEL_BF16, or on AMX
-   PANEL_Q4_AMX / PANEL_Q8_AMX), plus bias (N,) unless NULL. Over a 4-bit or bf16 panel, an item's
-   first register block rebuilds each slice's weights in registers (micro_q4, micro_bf16) and keeps them
+   contiguous = xp times the packed W^T (`format` PANEL_F32, PANEL_Q4, PANEL_Q8 or PANEL_BF16, or on AMX
+   PANEL_Q4_AMX / PANEL_Q8_AMX), plus bias (N,) unless NULL. Over a 4-bit, 8-bit or bf16 panel, an item's
+   first register block rebuilds each slice's weights in registers (micro_q4, _q8, _bf16) and keeps them
    in an fp32 buffer that the item's other blocks read from L1 with the fp32 micro kernels: each weight
    is rebuilt once per item instead of once per block, which had cost each block FMA-port slots (4-bit,
    AVX2, 6-row blocks: 32 rows 89-95 -> 121-135 GFLOP/s, 64 rows 93-98 -> 151-156). The same FMAs in
@@ -468,8 +563,8 @@ static inline int64_t gemm_items(struct gemm_rows rows, int64_t N) {
 static void gemm_run(const float *xp, const void *packed, int format, const float *bias, float *y,
                      int64_t N, int64_t K, struct gemm_rows rows) {
     const int64_t panels = (N + 15) / 16, groups = rows.groups;
-    const int q4 = format == PANEL_Q4, bf16 = format == PANEL_BF16;
-    const micro_rebuild_fn *rebuild = q4 ? micro_q4 : micro_bf16;
+    const int q4 = format == PANEL_Q4, q8 = format == PANEL_Q8, bf16 = format == PANEL_BF16;
+    const micro_rebuild_fn *rebuild = q4 ? micro_q4 : q8 ? micro_q8 : micro_bf16;
 #if HAVE_AMX_Q4
     if (PANEL_AMX(format)) {
         amx_run((const uint16_t *)xp, packed, bias, y, N, K, rows, format);
@@ -477,7 +572,8 @@ static void gemm_run(const float *xp, const void *packed, int format, const floa
     }
 #endif
     /* bytes per input and panel; inputs per prefetch (the 4-bit micro kernels prefetch once a pair) */
-    const int64_t in_bytes = q4 ? Q4_BLOCK_BYTES / Q4_BLOCK : bf16 ? 32 : 64, pf_inputs = q4 ? 2 : 1;
+    const int64_t in_bytes = q4 ? Q4_BLOCK_BYTES / Q4_BLOCK : q8 ? Q8_BLOCK_BYTES / Q4_BLOCK : bf16 ? 32 : 64;
+    const int64_t pf_inputs = q4 || q8 ? 2 : 1;
     #pragma omp for schedule(static)
     for (int64_t item = 0; item < gemm_items(rows, N); item++) {
         const int64_t g0 = (item / panels) * rows.per_item, p = item % panels;
@@ -486,7 +582,7 @@ static void gemm_run(const float *xp, const void *packed, int format, const floa
         const char *panel = (const char *)packed + p * K * in_bytes;
         const int full = n0 + 16 <= N;
         float tmp[GROUPS_PER_ITEM * MR * 16];  /* a panel past N: its outputs before the copy */
-        float kept[IN_BLOCK * 16] __attribute__((aligned(64)));  /* a 4-bit / bf16 slice in fp32 */
+        float kept[IN_BLOCK * 16] __attribute__((aligned(64)));  /* a compact slice rebuilt in fp32 */
         float *out = full ? y + m0 * N + n0 : tmp;
         const int64_t ldo = full ? N : 16;
         for (int64_t k0 = 0; k0 < K; k0 += IN_BLOCK) {
@@ -503,12 +599,12 @@ static void gemm_run(const float *xp, const void *packed, int format, const floa
                 const int64_t m = GROUP_START(g), r = GROUP_START(g + 1) - m - 1;
                 const float *xg = xp + g * K * MR + k0 * MR;
                 const char *pf = ahead + (g - g0) * step * (kc / pf_inputs);
-                if (!q4 && !bf16)
+                if (!q4 && !q8 && !bf16)
                     micro[r](xg, panel + in_bytes * k0, kc, out + (m - m0) * ldo, ldo, k0 > 0, pf, step);
                 else if (g == g0)
                     rebuild[r](xg, panel + in_bytes * k0, kc, out + (m - m0) * ldo, ldo, k0 > 0, pf, step,
                                g1 - g0 > 1 ? kept : NULL);
-                else  /* the fp32 kernels prefetch once per input, the 4-bit ones once per pair */
+                else  /* the fp32 kernels prefetch once per input, the 4- and 8-bit ones once per pair */
                     micro[r](xg, kept, kc, out + (m - m0) * ldo, ldo, k0 > 0, pf, step / pf_inputs);
             }
         }
@@ -589,11 +685,12 @@ class PanelWeight:
     `avx512=False` builds the 8-lane register blocks even where the compiler targets AVX-512 (so tests
     check both paths on an AVX-512 machine); `rows_per_block` says which one runs (16 or 6 rows).
     `compact`: where W is exactly a 4-bit block-quantized weight (kernels/weight_forms.py), keep it in the
-    4-bit layout (`format` "q4"), else where every value is exact in bf16 in the bf16 layout ("bf16"):
-    the results are bit-identical to the fp32 layout's (`format` "fp32"); None: unless
-    SWIFTKV_CPU_GEMM_4BIT=0. `amx`: multiply the panels on AMX tiles, 4-bit (`format`
-    "q4-amx": exact products, fp32 sums; the same bytes) or 8-bit ("q8-amx", for a weight exactly 8-bit
-    blocks); raises FormMismatch where W has neither form, RuntimeError where AMX cannot run here."""
+    4-bit layout (`format` "q4"), else where it is exactly 8-bit blocks (d q) in the 8-bit layout
+    ("q8"), else where every value is exact in bf16 in the bf16 layout ("bf16"): the results are
+    bit-identical to the fp32 layout's (`format` "fp32"); None: unless SWIFTKV_CPU_GEMM_4BIT=0.
+    `amx`: multiply the panels on AMX tiles, 4-bit (`format` "q4-amx": exact products, fp32 sums; the
+    same bytes) or 8-bit ("q8-amx", for a weight exactly 8-bit blocks); raises FormMismatch where W has
+    neither form, RuntimeError where AMX cannot run here."""
 
     def __init__(
         self, weight: torch.Tensor, avx512: bool = True, compact: bool | None = None, amx: bool = False
@@ -619,6 +716,8 @@ class PanelWeight:
             blocks, self.format = q8_panels(weight, PANEL), "q8-amx"  # (panels, in / 32, 640) bytes
             if blocks is None:
                 raise FormMismatch(f"a {tuple(weight.shape)} weight that is not exactly 4- or 8-bit blocks")
+        if blocks is None and compact:
+            blocks, self.format = q8_panels(weight, PANEL), "q8"  # (panels, in / 32, 640) bytes
         if blocks is None and compact:
             blocks, self.format = bf16_panels(weight, PANEL), "bf16"  # (panels, in, 16) bf16
         if blocks is not None:
@@ -706,7 +805,7 @@ class PanelWeight:
 
 
 _NONE, _RMS_NORM, _SILU_MUL = 0, 1, 2  # the C kernel's PROLOGUE_* values
-FORMATS = {"fp32": 0, "q4": 1, "q4-amx": 2, "q8-amx": 3, "bf16": 4}  # the C kernel's PANEL_* values
+FORMATS = {"fp32": 0, "q4": 1, "q4-amx": 2, "q8-amx": 3, "bf16": 4, "q8": 5}  # the C kernel's PANEL_* values
 
 
 def _check_rows(name: str, t: torch.Tensor, width: int) -> None:

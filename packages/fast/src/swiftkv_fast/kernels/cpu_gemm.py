@@ -54,13 +54,24 @@ model's layers) are packed as 4-bit panels instead: per 32 inputs of a panel, it
 and the codes, 12 bytes per input where fp32 takes 64; the micro kernels rebuild each weight vector
 exactly (d q + m, one rounding) and run the same FMAs in the same order, so the results are the fp32
 panels' bit for bit. Measured on a 2-core Xeon (AVX-512, 30 layers' weights streamed from memory,
-GFLOP/s, fp32 / 4-bit panels): 1 row 9-10 / 18-30, 4 rows 34-37 / 65-103, 16 rows 109-123 / 145-192;
-from 64 rows on the fp32 panels are as fast or faster (the unpacking costs FMA-port slots). On CPUs
-with AMX-BF16 the same bytes can run on the tiles with exact products (format PANEL_Q4_AMX, the
-`panel-amx` candidate; kernels/cpu_gemm_amx.py), and so can weights that are exactly 8-bit blocks (d q,
-GGUF's Q8_0) as 8-bit panels (PANEL_Q8_AMX: d, zeros for m, then the int8 codes of each pair of inputs
-side by side, 20 bytes per input; AMX only): the embedded model's lm_head at 16 rows 2.6 ms against the
-fp32 panels' 4.7.
+GFLOP/s, fp32 / 4-bit panels): 1 row 9-10 / 18-30, 4 rows 34-37 / 65-103, 16 rows 109-123 / 145-192.
+An item of several register blocks rebuilds each weight once, in its first block, which keeps the
+rebuilt slice in an fp32 buffer for the others (see gemm_run): with the AVX2 blocks of 6 rows (the same
+Xeon, AVX-512 and AMX compiled out, MKL and oneDNN held to AVX2) 4-bit panels went from 82-101 to
+108-124 GFLOP/s at 16 rows and from 93-98 to 160-164 at 64, where the fp32 panels run 90-103 and
+158-167; with AVX-512's 16-row blocks 64 and 256 rows 7-10% faster, 32 rows within 4%.
+The same holds for weights exactly 8-bit blocks (d q, GGUF's Q8_0: the embedded model's embedding and
+tied lm_head), as 8-bit panels (PANEL_Q8: d, zeros for m, then the int8 codes of each pair of inputs
+side by side, 20 bytes per input), and for weights whose every value is exact in bf16 (a bf16
+checkpoint loaded as fp32, the usual Hugging Face case), as bf16 panels (PANEL_BF16: the bits, widened
+by a shift, 32 bytes per input). Measured on the Xeon, caches disturbed between calls, the embedded
+lm_head (49,152 x 576), fp32 / 8-bit panels: 1 row 5.0 / 2.1 ms, 4 rows 5.0 / 2.3, 16 rows 6.4 / 4.5
+(AVX2 blocks: 5.0 / 2.2, 5.0 / 2.9, 7.1 / 6.7); the embedded model's layers rounded to bf16, 30
+layers streamed, GFLOP/s fp32 / bf16 panels: 1 row 9-10 / 12-14, 4 rows 34-36 / 45-52, 16 rows
+104-116 / 135-152 (AVX2 blocks: 10 / 14-15, 37 / 51-56, 95-103 / 113-124), the same from 64 rows on.
+On CPUs with AMX-BF16 the 4- and 8-bit bytes can also run on the tiles with exact products (formats
+PANEL_Q4_AMX, PANEL_Q8_AMX: the `panel-amx` candidate; kernels/cpu_gemm_amx.py): the lm_head at 16
+rows 3.9 ms against the 8-bit FMA panels' 4.5, at 1 row 3.3 against 2.1. The chooser times both.
 
 Built at first use by kernels/cpu_compile.py (-O3 -march=native, OpenMP where torch uses it). Without a
 compiler, or with SWIFTKV_CPU_GEMM_KERNEL=0, `PanelWeight` raises RuntimeError and the chooser drops

@@ -191,6 +191,12 @@ def blas_info() -> dict[str, Any]:
         "onednn": find(r"(?:MKL-DNN|oneDNN) v([\w.]+)"),
         "onednn_available": torch.backends.mkldnn.is_available(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        # instruction sets held back below this CPU's (empty: none): the C kernels', MKL's, oneDNN's
+        "isa_limits": {
+            k: v
+            for k in ("SWIFTKV_CPU_MAX_ISA", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+            if (v := os.environ.get(k))
+        },
     }
 
 
@@ -203,6 +209,9 @@ def machine_summary(info: dict[str, Any]) -> list[str]:
         + f"), {info['cpu_capability']}; torch {info['torch']}, BLAS {info['blas']} (MKL {info['mkl']}), "
         f"oneDNN {info['onednn']}" + ("" if info["onednn_available"] else " (unavailable)")
     ]
+    if info.get("isa_limits"):
+        held = ", ".join(f"{k}={v}" for k, v in info["isa_limits"].items())
+        lines.append(f"instruction sets held back: {held} (this CPU measured as a lesser one)")
     if info.get("malloc_tuned"):
         lines.append(
             "malloc: glibc keeps freed memory for reuse (set by the engine; every system in this process, "

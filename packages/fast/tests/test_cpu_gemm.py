@@ -93,6 +93,28 @@ def test_unavailable_kernel_is_dropped_by_the_chooser_with_one_line(why, monkeyp
 
 
 @needs_compiler
+@pytest.mark.skipif(lk.platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+def test_the_kernels_can_be_built_for_a_lesser_x86(monkeypatch):
+    """SWIFTKV_CPU_MAX_ISA=avx2 builds the kernels without AVX-512 (the panel GEMM's 6-row blocks of 8
+    lanes) and keys the kernel timings apart; a value it does not know is refused by name."""
+    w, x = torch.randn(40, 64), torch.randn(17, 64)
+    monkeypatch.setenv(cpu_compile.ISA_SWITCH, "avx2")
+    lesser = cpu_gemm.PanelWeight(w)
+    assert lesser.rows_per_block == 6
+    torch.testing.assert_close(lesser.linear(x), F.linear(x, w), atol=fp32_atol(x @ w.T), rtol=0)
+    lk.machine_key.cache_clear()
+    key = lk.machine_key()["isa"]
+    monkeypatch.delenv(cpu_compile.ISA_SWITCH)
+    lk.machine_key.cache_clear()
+    assert key[0] == "avx2" and lk.machine_key()["isa"][0] == "native"
+    monkeypatch.setenv(cpu_compile.ISA_SWITCH, "avx9")
+    with pytest.raises(ValueError, match="SWIFTKV_CPU_MAX_ISA='avx9'"):
+        cpu_compile.max_isa()
+    monkeypatch.delenv(cpu_compile.ISA_SWITCH)
+    lk.machine_key.cache_clear()
+
+
+@needs_compiler
 @pytest.mark.parametrize("rows", [1, 6, 16, 17, 100])
 @pytest.mark.parametrize("with_delta", [False, True])
 @pytest.mark.parametrize("avx512", [True, False])

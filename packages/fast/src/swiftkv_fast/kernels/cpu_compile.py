@@ -7,6 +7,11 @@ functions with their ctypes signatures: about a fifth of a second per build. A c
 OpenMP gets a one-thread build. Without a compiler, or when no build loads, it returns None (one
 warning per build) and the caller keeps its portable path. The kernels of kernels/cpu_decode.py and
 kernels/cpu_ops.py are built here.
+
+`SWIFTKV_CPU_MAX_ISA=avx2` (or `avx512`) builds every kernel for a lesser CPU than this one: no AVX-512
+and no AMX (or no AMX), so that one machine can measure what another kind gets. With
+`ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2` torch and its
+libraries do the same (bench/README.md).
 """
 
 from __future__ import annotations
@@ -36,6 +41,20 @@ FLAGS = [
     "-fPIC",
     "-shared",
 ]
+
+ISA_SWITCH = "SWIFTKV_CPU_MAX_ISA"
+# what each setting of ISA_SWITCH turns off, after -march=native
+_NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
+ISA_FLAGS = {"native": [], "avx512": _NO_AMX, "avx2": ["-mno-avx512f", *_NO_AMX]}
+
+
+def max_isa() -> str:
+    """The instruction sets the kernels are built for (ISA_SWITCH; default "native")."""
+    value = os.environ.get(ISA_SWITCH, "native").lower() or "native"
+    if value not in ISA_FLAGS:
+        raise ValueError(f"{ISA_SWITCH}={value!r}: expected one of {sorted(ISA_FLAGS)}")
+    return value
+
 
 # e^x in fp32 for the kernels' sources (Cephes expf: 2^n * p(r), n = round(x / ln 2), |r| <= ln(2) / 2;
 # about 1 ulp), branch-free so that the compiler vectorizes loops over it; x is clamped to [-87, 88]
@@ -190,7 +209,7 @@ def load(
 ) -> dict[str, ctypes._CFuncPtr] | None:
     """The functions `symbols` ({symbol: argtypes}, each returning int) of `source` compiled with
     `defines`; built at the first call per (name, defines), None when it cannot be built or loaded."""
-    key = (name, *defines.items())
+    key = (name, max_isa(), *defines.items())
     functions = _built.get(key, _NOT_BUILT)  # a lock-free look first: every step's ops ask
     if functions is not _NOT_BUILT:
         return functions
@@ -206,7 +225,7 @@ def _build(name: str, source: str, defines: dict[str, int], symbols: dict[str, l
     if cc is None:
         logger.warning("%s: no C compiler (cc / $CC) found; using the portable torch path", what)
         return None
-    flags = [*FLAGS, *(f"-D{k}={v}" for k, v in defines.items())]
+    flags = [*FLAGS, *ISA_FLAGS[max_isa()], *(f"-D{k}={v}" for k, v in defines.items())]
     errors = []
     for openmp in [True, False] if _openmp() else [False]:
         start = time.perf_counter()

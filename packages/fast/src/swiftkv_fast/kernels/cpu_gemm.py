@@ -155,23 +155,34 @@ MICRO(1) MICRO(2) MICRO(3) MICRO(4) MICRO(5) MICRO(6) MICRO(7) MICRO(8)
 MICRO(9) MICRO(10) MICRO(11) MICRO(12) MICRO(13) MICRO(14) MICRO(15) MICRO(16)
 #define MICROS {micro1, micro2, micro3, micro4, micro5, micro6, micro7, micro8, \
                 micro9, micro10, micro11, micro12, micro13, micro14, micro15, micro16}
-/* The same over a 4-bit panel (see Q4_BLOCK_BYTES): per pair of inputs, 16 code bytes widened to
-   16 lanes (one vpmovzxbd from memory), the low and the high nibbles converted and scaled, d q + m,
-   to the fp32 weights themselves; then the same FMAs in the same order as micro##R. With `keep`, the
-   rebuilt weights are stored there too, as an fp32 panel's rows (K, 16), for the item's other blocks. */
-#define MICRO_Q4(R)                                                                               \
-static void micro_q4_##R(const float *x, const void *panel, int64_t K, float *y, int64_t ldy,     \
-                         int add, const char *pf, int64_t pf_step, float *keep) {                 \
+/* The same over a 4-bit panel (see Q4_BLOCK_BYTES) or an 8-bit one (Q8_BLOCK_BYTES), a pair of inputs
+   at a time: their weight vectors w0, w1 rebuilt exactly from the block's scales (KIND##_SCALES) and the
+   pair's codes (KIND##_PAIR), then the FMAs of micro##R in the same order, one input after the other.
+   With `keep`, the rebuilt weights are stored there too, as an fp32 panel's rows (K, 16), for the item's
+   other blocks. 4-bit: 16 code bytes widened to 16 lanes (one vpmovzxbd from memory), the low and the
+   high nibbles converted, d q + m. 8-bit: the columns' two codes as 16 words sign-extended to 16 lanes,
+   each input's code sign-extended from its byte and converted, d q. */
+#define Q4_SCALES(blk) const vec d = *(const vec *)(blk), m = *(const vec *)((blk) + 64)
+#define Q4_PAIR(blk, j)                                                                           \
+    const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((blk) + 128 + 16 * (j)))); \
+    const vec w0 = (vec)_mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(15))) * d + m;   \
+    const vec w1 = (vec)_mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)) * d + m
+#define Q8_SCALES(blk) const vec d = *(const vec *)(blk)
+#define Q8_PAIR(blk, j)                                                                           \
+    const __m512i c = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)((blk) + 128 + 32 * (j)))); \
+    const vec w0 = (vec)_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(c, 24), 24)) * d;    \
+    const vec w1 = (vec)_mm512_cvtepi32_ps(_mm512_srai_epi32(c, 8)) * d
+#define MICRO_PAIRS(KIND, kind, R)                                                                \
+static void micro_##kind##_##R(const float *x, const void *panel, int64_t K, float *y, int64_t ldy, \
+                               int add, const char *pf, int64_t pf_step, float *keep) {           \
     vec acc[R];                                                                                   \
     for (int r = 0; r < R; r++) acc[r] = add ? *(const vec *)(y + r * ldy) : (vec){0};             \
     const unsigned char *blk = panel;                                                             \
-    for (int64_t b = 0; b < K / Q4_BLOCK; b++, blk += Q4_BLOCK_BYTES) {                           \
-        const vec d = *(const vec *)blk, m = *(const vec *)(blk + 64);                            \
+    for (int64_t b = 0; b < K / Q4_BLOCK; b++, blk += KIND##_BLOCK_BYTES) {                       \
+        KIND##_SCALES(blk);                                                                       \
         for (int j = 0; j < Q4_BLOCK / 2; j++) {                                                  \
             __builtin_prefetch(pf + pf_step * (Q4_BLOCK / 2 * b + j), 0, 1);                      \
-            const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 128 + 16 * j))); \
-            const vec w0 = (vec)_mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(15))) * d + m; \
-            const vec w1 = (vec)_mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)) * d + m;             \
+            KIND##_PAIR(blk, j);                                                                  \
             if (keep != NULL) {                                                                   \
                 *(vec *)(keep + 16 * (Q4_BLOCK * b + 2 * j)) = w0;                                \
                 *(vec *)(keep + 16 * (Q4_BLOCK * b + 2 * j) + 16) = w1;                           \
@@ -184,11 +195,18 @@ static void micro_q4_##R(const float *x, const void *panel, int64_t K, float *y,
     }                                                                                             \
     for (int r = 0; r < R; r++) *(vec *)(y + r * ldy) = acc[r];                                   \
 }
+#define MICRO_Q4(R) MICRO_PAIRS(Q4, q4, R)
+#define MICRO_Q8(R) MICRO_PAIRS(Q8, q8, R)
 MICRO_Q4(1) MICRO_Q4(2) MICRO_Q4(3) MICRO_Q4(4) MICRO_Q4(5) MICRO_Q4(6) MICRO_Q4(7) MICRO_Q4(8)
 MICRO_Q4(9) MICRO_Q4(10) MICRO_Q4(11) MICRO_Q4(12) MICRO_Q4(13) MICRO_Q4(14) MICRO_Q4(15) MICRO_Q4(16)
 #define MICROS_Q4 {micro_q4_1, micro_q4_2, micro_q4_3, micro_q4_4, micro_q4_5, micro_q4_6, micro_q4_7,   \
                    micro_q4_8, micro_q4_9, micro_q4_10, micro_q4_11, micro_q4_12, micro_q4_13,            \
                    micro_q4_14, micro_q4_15, micro_q4_16}
+MICRO_Q8(1) MICRO_Q8(2) MICRO_Q8(3) MICRO_Q8(4) MICRO_Q8(5) MICRO_Q8(6) MICRO_Q8(7) MICRO_Q8(8)
+MICRO_Q8(9) MICRO_Q8(10) MICRO_Q8(11) MICRO_Q8(12) MICRO_Q8(13) MICRO_Q8(14) MICRO_Q8(15) MICRO_Q8(16)
+#define MICROS_Q8 {micro_q8_1, micro_q8_2, micro_q8_3, micro_q8_4, micro_q8_5, micro_q8_6, micro_q8_7,   \
+                   micro_q8_8, micro_q8_9, micro_q8_10, micro_q8_11, micro_q8_12, micro_q8_13,            \
+                   micro_q8_14, micro_q8_15, micro_q8_16}
 /* The same over a bf16 panel: each input's 16 weights widened exactly (bf16 bits << 16), then the FMAs
    of micro##R; with `keep`, stored there as an fp32 panel's rows. */
 #define MICRO_BF16(R)                                                                             \
@@ -212,40 +230,6 @@ MICRO_BF16(15) MICRO_BF16(16)
 #define MICROS_BF16 {micro_bf16_1, micro_bf16_2, micro_bf16_3, micro_bf16_4, micro_bf16_5, micro_bf16_6,     \
                      micro_bf16_7, micro_bf16_8, micro_bf16_9, micro_bf16_10, micro_bf16_11, micro_bf16_12,  \
                      micro_bf16_13, micro_bf16_14, micro_bf16_15, micro_bf16_16}
-/* The same over an 8-bit panel (see Q8_BLOCK_BYTES): per pair of inputs, the 16 columns' two codes as 16
-   words sign-extended to 16 lanes, each input's code sign-extended from its byte, converted and scaled,
-   d q (exact), then the FMAs of micro_q4_##R in the same order. */
-#define MICRO_Q8(R)                                                                               \
-static void micro_q8_##R(const float *x, const void *panel, int64_t K, float *y, int64_t ldy,     \
-                         int add, const char *pf, int64_t pf_step, float *keep) {                 \
-    vec acc[R];                                                                                   \
-    for (int r = 0; r < R; r++) acc[r] = add ? *(const vec *)(y + r * ldy) : (vec){0};             \
-    const unsigned char *blk = panel;                                                             \
-    for (int64_t b = 0; b < K / Q4_BLOCK; b++, blk += Q8_BLOCK_BYTES) {                           \
-        const vec d = *(const vec *)blk;                                                          \
-        for (int j = 0; j < Q4_BLOCK / 2; j++) {                                                  \
-            __builtin_prefetch(pf + pf_step * (Q4_BLOCK / 2 * b + j), 0, 1);                      \
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * j));        \
-            const __m512i c = _mm512_cvtepi16_epi32(raw);                                         \
-            const vec w0 = (vec)_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(c, 24), 24)) * d; \
-            const vec w1 = (vec)_mm512_cvtepi32_ps(_mm512_srai_epi32(c, 8)) * d;                 \
-            if (keep != NULL) {                                                                   \
-                *(vec *)(keep + 16 * (Q4_BLOCK * b + 2 * j)) = w0;                                \
-                *(vec *)(keep + 16 * (Q4_BLOCK * b + 2 * j) + 16) = w1;                           \
-            }                                                                                     \
-            const float *xk = x + MR * (Q4_BLOCK * b + 2 * j);                                     \
-            for (int r = 0; r < R; r++) acc[r] += xk[r] * w0;                                     \
-            for (int r = 0; r < R; r++) IN_ORDER(acc[r]);                                         \
-            for (int r = 0; r < R; r++) acc[r] += xk[MR + r] * w1;                                \
-        }                                                                                         \
-    }                                                                                             \
-    for (int r = 0; r < R; r++) *(vec *)(y + r * ldy) = acc[r];                                   \
-}
-MICRO_Q8(1) MICRO_Q8(2) MICRO_Q8(3) MICRO_Q8(4) MICRO_Q8(5) MICRO_Q8(6) MICRO_Q8(7) MICRO_Q8(8)
-MICRO_Q8(9) MICRO_Q8(10) MICRO_Q8(11) MICRO_Q8(12) MICRO_Q8(13) MICRO_Q8(14) MICRO_Q8(15) MICRO_Q8(16)
-#define MICROS_Q8 {micro_q8_1, micro_q8_2, micro_q8_3, micro_q8_4, micro_q8_5, micro_q8_6, micro_q8_7,   \
-                   micro_q8_8, micro_q8_9, micro_q8_10, micro_q8_11, micro_q8_12, micro_q8_13,            \
-                   micro_q8_14, micro_q8_15, micro_q8_16}
 #else
 /* 16 vector registers of 8 lanes: up to 6 rows x one panel in 12 accumulators */
 #define MR 6
@@ -296,23 +280,50 @@ static inline void q4_widen(const unsigned char *codes, vec d0, vec d1, vec m0, 
     }
 }
 #endif
-/* The same over a 4-bit panel: a pair of inputs' 16 code bytes widened as two halves of 8 lanes */
-#define MICRO_Q4(R)                                                                               \
-static void micro_q4_##R(const float *x, const void *panel, int64_t K, float *y, int64_t ldy,     \
-                         int add, const char *pf, int64_t pf_step, float *keep) {                 \
+/* w[i][h] = d q of input i of a pair, columns [8 h, 8 h + 8), from the pair's 32 code bytes */
+#if defined(__AVX2__)
+static inline void q8_widen(const unsigned char *codes, vec d0, vec d1, vec w[2][2]) {
+    const __m256i c0 = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)codes));
+    const __m256i c1 = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(codes + 16)));
+    w[0][0] = (vec)_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(c0, 24), 24)) * d0;
+    w[0][1] = (vec)_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(c1, 24), 24)) * d1;
+    w[1][0] = (vec)_mm256_cvtepi32_ps(_mm256_srai_epi32(c0, 8)) * d0;
+    w[1][1] = (vec)_mm256_cvtepi32_ps(_mm256_srai_epi32(c1, 8)) * d1;
+}
+#else
+static inline void q8_widen(const unsigned char *codes, vec d0, vec d1, vec w[2][2]) {
+    const signed char *q = (const signed char *)codes;
+    for (int c = 0; c < 8; c++) {
+        w[0][0][c] = (float)q[2 * c] * d0[c];
+        w[0][1][c] = (float)q[16 + 2 * c] * d1[c];
+        w[1][0][c] = (float)q[2 * c + 1] * d0[c];
+        w[1][1][c] = (float)q[16 + 2 * c + 1] * d1[c];
+    }
+}
+#endif
+/* The same over a 4-bit or an 8-bit panel, a pair of inputs at a time (see the 16-lane kernels): the
+   pair's codes widened as two halves of 8 lanes (q4_widen, q8_widen) */
+#define Q4_SCALES(blk)                                                                            \
+    const vec d0 = *(const vec *)(blk), d1 = *(const vec *)((blk) + 32);                          \
+    const vec m0 = *(const vec *)((blk) + 64), m1 = *(const vec *)((blk) + 96)
+#define Q4_PAIR(blk, j, w) q4_widen((blk) + 128 + 16 * (j), d0, d1, m0, m1, w)
+#define Q8_SCALES(blk) const vec d0 = *(const vec *)(blk), d1 = *(const vec *)((blk) + 32)
+#define Q8_PAIR(blk, j, w) q8_widen((blk) + 128 + 32 * (j), d0, d1, w)
+#define MICRO_PAIRS(KIND, kind, R)                                                                \
+static void micro_##kind##_##R(const float *x, const void *panel, int64_t K, float *y, int64_t ldy, \
+                               int add, const char *pf, int64_t pf_step, float *keep) {           \
     vec acc[R][2];                                                                                \
     for (int r = 0; r < R; r++) {                                                                 \
         acc[r][0] = add ? *(const vec *)(y + r * ldy) : (vec){0};                                 \
         acc[r][1] = add ? *(const vec *)(y + r * ldy + 8) : (vec){0};                             \
     }                                                                                             \
     const unsigned char *blk = panel;                                                             \
-    for (int64_t b = 0; b < K / Q4_BLOCK; b++, blk += Q4_BLOCK_BYTES) {                           \
-        const vec d0 = *(const vec *)blk, d1 = *(const vec *)(blk + 32);                          \
-        const vec m0 = *(const vec *)(blk + 64), m1 = *(const vec *)(blk + 96);                   \
+    for (int64_t b = 0; b < K / Q4_BLOCK; b++, blk += KIND##_BLOCK_BYTES) {                       \
+        KIND##_SCALES(blk);                                                                       \
         for (int j = 0; j < Q4_BLOCK / 2; j++) {                                                  \
             __builtin_prefetch(pf + pf_step * (Q4_BLOCK / 2 * b + j), 0, 1);                      \
             vec w[2][2];                                                                          \
-            q4_widen(blk + 128 + 16 * j, d0, d1, m0, m1, w);                                      \
+            KIND##_PAIR(blk, j, w);                                                               \
             if (keep != NULL)                                                                     \
                 for (int h = 0; h < 4; h++)                                                       \
                     *(vec *)(keep + 16 * (Q4_BLOCK * b + 2 * j) + 8 * h) = w[h / 2][h % 2];       \
@@ -332,8 +343,12 @@ static void micro_q4_##R(const float *x, const void *panel, int64_t K, float *y,
         *(vec *)(y + r * ldy + 8) = acc[r][1];                                                    \
     }                                                                                             \
 }
+#define MICRO_Q4(R) MICRO_PAIRS(Q4, q4, R)
+#define MICRO_Q8(R) MICRO_PAIRS(Q8, q8, R)
 MICRO_Q4(1) MICRO_Q4(2) MICRO_Q4(3) MICRO_Q4(4) MICRO_Q4(5) MICRO_Q4(6)
 #define MICROS_Q4 {micro_q4_1, micro_q4_2, micro_q4_3, micro_q4_4, micro_q4_5, micro_q4_6}
+MICRO_Q8(1) MICRO_Q8(2) MICRO_Q8(3) MICRO_Q8(4) MICRO_Q8(5) MICRO_Q8(6)
+#define MICROS_Q8 {micro_q8_1, micro_q8_2, micro_q8_3, micro_q8_4, micro_q8_5, micro_q8_6}
 /* 8 bf16 weights widened exactly to fp32 (bits << 16) */
 #if defined(__AVX2__)
 static inline vec bf16_widen(const uint16_t *bits) {
@@ -379,64 +394,6 @@ static void micro_bf16_##R(const float *x, const void *panel, int64_t K, float *
 }
 MICRO_BF16(1) MICRO_BF16(2) MICRO_BF16(3) MICRO_BF16(4) MICRO_BF16(5) MICRO_BF16(6)
 #define MICROS_BF16 {micro_bf16_1, micro_bf16_2, micro_bf16_3, micro_bf16_4, micro_bf16_5, micro_bf16_6}
-/* w[i][h] = d q of input i of a pair, columns [8 h, 8 h + 8), from the pair's 32 code bytes */
-#if defined(__AVX2__)
-static inline void q8_widen(const unsigned char *codes, vec d0, vec d1, vec w[2][2]) {
-    const __m256i c0 = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)codes));
-    const __m256i c1 = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(codes + 16)));
-    w[0][0] = (vec)_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(c0, 24), 24)) * d0;
-    w[0][1] = (vec)_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(c1, 24), 24)) * d1;
-    w[1][0] = (vec)_mm256_cvtepi32_ps(_mm256_srai_epi32(c0, 8)) * d0;
-    w[1][1] = (vec)_mm256_cvtepi32_ps(_mm256_srai_epi32(c1, 8)) * d1;
-}
-#else
-static inline void q8_widen(const unsigned char *codes, vec d0, vec d1, vec w[2][2]) {
-    const signed char *q = (const signed char *)codes;
-    for (int c = 0; c < 8; c++) {
-        w[0][0][c] = (float)q[2 * c] * d0[c];
-        w[0][1][c] = (float)q[16 + 2 * c] * d1[c];
-        w[1][0][c] = (float)q[2 * c + 1] * d0[c];
-        w[1][1][c] = (float)q[16 + 2 * c + 1] * d1[c];
-    }
-}
-#endif
-/* The same over an 8-bit panel: a pair of inputs' 32 code bytes widened as two halves of 8 lanes */
-#define MICRO_Q8(R)                                                                               \
-static void micro_q8_##R(const float *x, const void *panel, int64_t K, float *y, int64_t ldy,     \
-                         int add, const char *pf, int64_t pf_step, float *keep) {                 \
-    vec acc[R][2];                                                                                \
-    for (int r = 0; r < R; r++) {                                                                 \
-        acc[r][0] = add ? *(const vec *)(y + r * ldy) : (vec){0};                                 \
-        acc[r][1] = add ? *(const vec *)(y + r * ldy + 8) : (vec){0};                             \
-    }                                                                                             \
-    const unsigned char *blk = panel;                                                             \
-    for (int64_t b = 0; b < K / Q4_BLOCK; b++, blk += Q8_BLOCK_BYTES) {                           \
-        const vec d0 = *(const vec *)blk, d1 = *(const vec *)(blk + 32);                          \
-        for (int j = 0; j < Q4_BLOCK / 2; j++) {                                                  \
-            __builtin_prefetch(pf + pf_step * (Q4_BLOCK / 2 * b + j), 0, 1);                      \
-            vec w[2][2];                                                                          \
-            q8_widen(blk + 128 + 32 * j, d0, d1, w);                                              \
-            if (keep != NULL)                                                                     \
-                for (int h = 0; h < 4; h++)                                                       \
-                    *(vec *)(keep + 16 * (Q4_BLOCK * b + 2 * j) + 8 * h) = w[h / 2][h % 2];       \
-            const float *xk = x + MR * (Q4_BLOCK * b + 2 * j);                                     \
-            for (int h = 0; h < 2; h++)                                                           \
-                for (int r = 0; r < R; r++) {                                                     \
-                    const float xv = xk[MR * h + r];                                              \
-                    acc[r][0] += xv * w[h][0];                                                    \
-                    acc[r][1] += xv * w[h][1];                                                    \
-                    IN_ORDER(acc[r][0]);                                                          \
-                    IN_ORDER(acc[r][1]);                                                          \
-                }                                                                                 \
-        }                                                                                         \
-    }                                                                                             \
-    for (int r = 0; r < R; r++) {                                                                 \
-        *(vec *)(y + r * ldy) = acc[r][0];                                                        \
-        *(vec *)(y + r * ldy + 8) = acc[r][1];                                                    \
-    }                                                                                             \
-}
-MICRO_Q8(1) MICRO_Q8(2) MICRO_Q8(3) MICRO_Q8(4) MICRO_Q8(5) MICRO_Q8(6)
-#define MICROS_Q8 {micro_q8_1, micro_q8_2, micro_q8_3, micro_q8_4, micro_q8_5, micro_q8_6}
 #endif
 #define GROUPS_PER_ITEM (96 / MR)  /* at most this many register blocks (about 96 rows of x) in an item,
                                       which keeps them in cache across its panel */

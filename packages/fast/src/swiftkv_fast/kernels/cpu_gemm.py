@@ -138,19 +138,31 @@ SOURCE = (
    batch loads each weight vector once and uses it 16 times */
 #define MR 16
 typedef float vec __attribute__((vector_size(64), aligned(4)));
-#define MICRO(R)                                                                                  \
-static void micro##R(const float *x, const void *panel_, int64_t K, float *y,                     \
-                     int64_t ldy, int add, const char *pf, int64_t pf_step) {                     \
-    const float *panel = panel_;                                                                  \
+/* Per input k, the panel's 16 weights as one vector w: fp32 as they are; bf16 widened exactly (bits
+   << 16), and with `keep` stored there as an fp32 panel's row for the item's other blocks */
+#define F32_TYPE float
+#define F32_WEIGHTS(p, k) const vec w = *(const vec *)((p) + 16 * (k))
+#define BF16_TYPE uint16_t
+#define BF16_WEIGHTS(p, k)                                                                        \
+    const __m256i bits = _mm256_loadu_si256((const __m256i *)((p) + 16 * (k)));                   \
+    const vec w = (vec)_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16);                        \
+    if (keep != NULL) *(vec *)(keep + 16 * (k)) = w
+#define MICRO_INPUTS(KIND, name, R)                                                               \
+static void name##R(const float *x, const void *panel, int64_t K, float *y, int64_t ldy, int add, \
+                    const char *pf, int64_t pf_step, float *keep) {                               \
+    const KIND##_TYPE *p = panel;                                                                 \
+    (void)keep;                                                                                   \
     vec acc[R];                                                                                   \
     for (int r = 0; r < R; r++) acc[r] = add ? *(const vec *)(y + r * ldy) : (vec){0};             \
     for (int64_t k = 0; k < K; k++) {                                                             \
         __builtin_prefetch(pf + pf_step * k, 0, 1);                                               \
-        const vec w = *(const vec *)(panel + 16 * k);                                             \
+        KIND##_WEIGHTS(p, k);                                                                     \
         for (int r = 0; r < R; r++) acc[r] += x[MR * k + r] * w;                                  \
     }                                                                                             \
     for (int r = 0; r < R; r++) *(vec *)(y + r * ldy) = acc[r];                                   \
 }
+#define MICRO(R) MICRO_INPUTS(F32, micro, R)
+#define MICRO_BF16(R) MICRO_INPUTS(BF16, micro_bf16_, R)
 MICRO(1) MICRO(2) MICRO(3) MICRO(4) MICRO(5) MICRO(6) MICRO(7) MICRO(8)
 MICRO(9) MICRO(10) MICRO(11) MICRO(12) MICRO(13) MICRO(14) MICRO(15) MICRO(16)
 #define MICROS {micro1, micro2, micro3, micro4, micro5, micro6, micro7, micro8, \
@@ -207,23 +219,6 @@ MICRO_Q8(9) MICRO_Q8(10) MICRO_Q8(11) MICRO_Q8(12) MICRO_Q8(13) MICRO_Q8(14) MIC
 #define MICROS_Q8 {micro_q8_1, micro_q8_2, micro_q8_3, micro_q8_4, micro_q8_5, micro_q8_6, micro_q8_7,   \
                    micro_q8_8, micro_q8_9, micro_q8_10, micro_q8_11, micro_q8_12, micro_q8_13,            \
                    micro_q8_14, micro_q8_15, micro_q8_16}
-/* The same over a bf16 panel: each input's 16 weights widened exactly (bf16 bits << 16), then the FMAs
-   of micro##R; with `keep`, stored there as an fp32 panel's rows. */
-#define MICRO_BF16(R)                                                                             \
-static void micro_bf16_##R(const float *x, const void *panel, int64_t K, float *y, int64_t ldy,   \
-                           int add, const char *pf, int64_t pf_step, float *keep) {               \
-    const uint16_t *bits = panel;                                                                 \
-    vec acc[R];                                                                                   \
-    for (int r = 0; r < R; r++) acc[r] = add ? *(const vec *)(y + r * ldy) : (vec){0};             \
-    for (int64_t k = 0; k < K; k++) {                                                             \
-        __builtin_prefetch(pf + pf_step * k, 0, 1);                                               \
-        const __m256i raw = _mm256_loadu_si256((const __m256i *)(bits + 16 * k));                 \
-        const vec w = (vec)_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16);                     \
-        if (keep != NULL) *(vec *)(keep + 16 * k) = w;                                            \
-        for (int r = 0; r < R; r++) acc[r] += x[MR * k + r] * w;                                  \
-    }                                                                                             \
-    for (int r = 0; r < R; r++) *(vec *)(y + r * ldy) = acc[r];                                   \
-}
 MICRO_BF16(1) MICRO_BF16(2) MICRO_BF16(3) MICRO_BF16(4) MICRO_BF16(5) MICRO_BF16(6) MICRO_BF16(7)
 MICRO_BF16(8) MICRO_BF16(9) MICRO_BF16(10) MICRO_BF16(11) MICRO_BF16(12) MICRO_BF16(13) MICRO_BF16(14)
 MICRO_BF16(15) MICRO_BF16(16)
@@ -234,10 +229,38 @@ MICRO_BF16(15) MICRO_BF16(16)
 /* 16 vector registers of 8 lanes: up to 6 rows x one panel in 12 accumulators */
 #define MR 6
 typedef float vec __attribute__((vector_size(32), aligned(4)));
-#define MICRO(R)                                                                                  \
-static void micro##R(const float *x, const void *panel_, int64_t K, float *y,                     \
-                     int64_t ldy, int add, const char *pf, int64_t pf_step) {                     \
-    const float *panel = panel_;                                                                  \
+/* 8 bf16 weights widened exactly to fp32 (bits << 16) */
+#if defined(__AVX2__)
+static inline vec bf16_widen(const uint16_t *bits) {
+    return (vec)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)bits)), 16);
+}
+#else
+static inline vec bf16_widen(const uint16_t *bits) {
+    vec w;
+    for (int c = 0; c < 8; c++) {
+        const uint32_t u = (uint32_t)bits[c] << 16;
+        memcpy(&w[c], &u, 4);
+    }
+    return w;
+}
+#endif
+/* Per input k, the panel's 16 weights as two vectors of 8 lanes w0, w1: fp32 as they are; bf16 widened
+   exactly (bits << 16), and with `keep` stored there as an fp32 panel's row */
+#define F32_TYPE float
+#define F32_WEIGHTS(p, k)                                                                         \
+    const vec w0 = *(const vec *)((p) + 16 * (k)), w1 = *(const vec *)((p) + 16 * (k) + 8)
+#define BF16_TYPE uint16_t
+#define BF16_WEIGHTS(p, k)                                                                        \
+    const vec w0 = bf16_widen((p) + 16 * (k)), w1 = bf16_widen((p) + 16 * (k) + 8);               \
+    if (keep != NULL) {                                                                           \
+        *(vec *)(keep + 16 * (k)) = w0;                                                           \
+        *(vec *)(keep + 16 * (k) + 8) = w1;                                                       \
+    }
+#define MICRO_INPUTS(KIND, name, R)                                                               \
+static void name##R(const float *x, const void *panel, int64_t K, float *y, int64_t ldy, int add, \
+                    const char *pf, int64_t pf_step, float *keep) {                               \
+    const KIND##_TYPE *p = panel;                                                                 \
+    (void)keep;                                                                                   \
     vec acc[R][2];                                                                                \
     for (int r = 0; r < R; r++) {                                                                 \
         acc[r][0] = add ? *(const vec *)(y + r * ldy) : (vec){0};                                 \
@@ -245,7 +268,7 @@ static void micro##R(const float *x, const void *panel_, int64_t K, float *y,   
     }                                                                                             \
     for (int64_t k = 0; k < K; k++) {                                                             \
         __builtin_prefetch(pf + pf_step * k, 0, 1);                                               \
-        const vec w0 = *(const vec *)(panel + 16 * k), w1 = *(const vec *)(panel + 16 * k + 8);   \
+        KIND##_WEIGHTS(p, k);                                                                     \
         for (int r = 0; r < R; r++) {                                                             \
             const float xv = x[MR * k + r];                                                       \
             acc[r][0] += xv * w0;                                                                 \
@@ -257,6 +280,8 @@ static void micro##R(const float *x, const void *panel_, int64_t K, float *y,   
         *(vec *)(y + r * ldy + 8) = acc[r][1];                                                    \
     }                                                                                             \
 }
+#define MICRO(R) MICRO_INPUTS(F32, micro, R)
+#define MICRO_BF16(R) MICRO_INPUTS(BF16, micro_bf16_, R)
 MICRO(1) MICRO(2) MICRO(3) MICRO(4) MICRO(5) MICRO(6)
 #define MICROS {micro1, micro2, micro3, micro4, micro5, micro6}
 /* w[i][h] = the weights of input i of a pair, columns [8 h, 8 h + 8) */
@@ -349,49 +374,6 @@ MICRO_Q4(1) MICRO_Q4(2) MICRO_Q4(3) MICRO_Q4(4) MICRO_Q4(5) MICRO_Q4(6)
 #define MICROS_Q4 {micro_q4_1, micro_q4_2, micro_q4_3, micro_q4_4, micro_q4_5, micro_q4_6}
 MICRO_Q8(1) MICRO_Q8(2) MICRO_Q8(3) MICRO_Q8(4) MICRO_Q8(5) MICRO_Q8(6)
 #define MICROS_Q8 {micro_q8_1, micro_q8_2, micro_q8_3, micro_q8_4, micro_q8_5, micro_q8_6}
-/* 8 bf16 weights widened exactly to fp32 (bits << 16) */
-#if defined(__AVX2__)
-static inline vec bf16_widen(const uint16_t *bits) {
-    return (vec)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)bits)), 16);
-}
-#else
-static inline vec bf16_widen(const uint16_t *bits) {
-    vec w;
-    for (int c = 0; c < 8; c++) {
-        const uint32_t u = (uint32_t)bits[c] << 16;
-        memcpy(&w[c], &u, 4);
-    }
-    return w;
-}
-#endif
-/* The same over a bf16 panel: each input's 16 weights widened as two halves of 8 lanes */
-#define MICRO_BF16(R)                                                                             \
-static void micro_bf16_##R(const float *x, const void *panel, int64_t K, float *y, int64_t ldy,   \
-                           int add, const char *pf, int64_t pf_step, float *keep) {               \
-    const uint16_t *bits = panel;                                                                 \
-    vec acc[R][2];                                                                                \
-    for (int r = 0; r < R; r++) {                                                                 \
-        acc[r][0] = add ? *(const vec *)(y + r * ldy) : (vec){0};                                 \
-        acc[r][1] = add ? *(const vec *)(y + r * ldy + 8) : (vec){0};                             \
-    }                                                                                             \
-    for (int64_t k = 0; k < K; k++) {                                                             \
-        __builtin_prefetch(pf + pf_step * k, 0, 1);                                               \
-        const vec w0 = bf16_widen(bits + 16 * k), w1 = bf16_widen(bits + 16 * k + 8);             \
-        if (keep != NULL) {                                                                       \
-            *(vec *)(keep + 16 * k) = w0;                                                         \
-            *(vec *)(keep + 16 * k + 8) = w1;                                                     \
-        }                                                                                         \
-        for (int r = 0; r < R; r++) {                                                             \
-            const float xv = x[MR * k + r];                                                       \
-            acc[r][0] += xv * w0;                                                                 \
-            acc[r][1] += xv * w1;                                                                 \
-        }                                                                                         \
-    }                                                                                             \
-    for (int r = 0; r < R; r++) {                                                                 \
-        *(vec *)(y + r * ldy) = acc[r][0];                                                        \
-        *(vec *)(y + r * ldy + 8) = acc[r][1];                                                    \
-    }                                                                                             \
-}
 MICRO_BF16(1) MICRO_BF16(2) MICRO_BF16(3) MICRO_BF16(4) MICRO_BF16(5) MICRO_BF16(6)
 #define MICROS_BF16 {micro_bf16_1, micro_bf16_2, micro_bf16_3, micro_bf16_4, micro_bf16_5, micro_bf16_6}
 #endif
@@ -399,15 +381,12 @@ MICRO_BF16(1) MICRO_BF16(2) MICRO_BF16(3) MICRO_BF16(4) MICRO_BF16(5) MICRO_BF16
                                       which keeps them in cache across its panel */
 
 /* y[R][16] (rows ldy apart) = x[R][K] (rows ldx apart) . panel[K][16], plus y's own values when `add`
-   (the partial sums of the preceding K block); R <= MR */
-typedef void (*micro_fn)(const float *, const void *, int64_t, float *, int64_t, int, const char *, int64_t);
-/* the same over a 4-bit, 8-bit or bf16 panel, the rebuilt weights also stored in `keep` (K, 16) unless
-   NULL */
-typedef void (*micro_rebuild_fn)(const float *, const void *, int64_t, float *, int64_t, int, const char *,
-                                 int64_t, float *);
-static const micro_fn micro[MR] = MICROS;
-static const micro_rebuild_fn micro_q4[MR] = MICROS_Q4, micro_q8[MR] = MICROS_Q8;
-static const micro_rebuild_fn micro_bf16[MR] = MICROS_BF16;
+   (the partial sums of the preceding K block); R <= MR; over an fp32 panel, or a 4-bit, 8-bit or
+   bf16 one whose rebuilt weights are also stored in `keep` (K, 16) unless NULL */
+typedef void (*micro_fn)(const float *, const void *, int64_t, float *, int64_t, int, const char *, int64_t,
+                         float *);
+static const micro_fn micro[MR] = MICROS, micro_q4[MR] = MICROS_Q4, micro_q8[MR] = MICROS_Q8;
+static const micro_fn micro_bf16[MR] = MICROS_BF16;
 
 int swiftkv_gemm_rows_per_block(void) { return MR; }
 
@@ -532,7 +511,7 @@ static void gemm_run(const float *xp, const void *packed, int format, const floa
                      int64_t N, int64_t K, struct gemm_rows rows) {
     const int64_t panels = (N + 15) / 16, groups = rows.groups;
     const int q4 = format == PANEL_Q4, q8 = format == PANEL_Q8, bf16 = format == PANEL_BF16;
-    const micro_rebuild_fn *rebuild = q4 ? micro_q4 : q8 ? micro_q8 : micro_bf16;
+    const micro_fn *rebuild = q4 ? micro_q4 : q8 ? micro_q8 : micro_bf16;
 #if HAVE_AMX_Q4
     if (PANEL_AMX(format)) {
         amx_run((const uint16_t *)xp, packed, bias, y, N, K, rows, format);
@@ -568,12 +547,13 @@ static void gemm_run(const float *xp, const void *packed, int format, const floa
                 const float *xg = xp + g * K * MR + k0 * MR;
                 const char *pf = ahead + (g - g0) * step * (kc / pf_inputs);
                 if (!q4 && !q8 && !bf16)
-                    micro[r](xg, panel + in_bytes * k0, kc, out + (m - m0) * ldo, ldo, k0 > 0, pf, step);
+                    micro[r](xg, panel + in_bytes * k0, kc, out + (m - m0) * ldo, ldo, k0 > 0, pf, step,
+                             NULL);
                 else if (g == g0)
                     rebuild[r](xg, panel + in_bytes * k0, kc, out + (m - m0) * ldo, ldo, k0 > 0, pf, step,
                                g1 - g0 > 1 ? kept : NULL);
                 else  /* the fp32 kernels prefetch once per input, the 4- and 8-bit ones once per pair */
-                    micro[r](xg, kept, kc, out + (m - m0) * ldo, ldo, k0 > 0, pf, step / pf_inputs);
+                    micro[r](xg, kept, kc, out + (m - m0) * ldo, ldo, k0 > 0, pf, step / pf_inputs, NULL);
             }
         }
         const int64_t width = full ? 16 : N - n0;

@@ -19,8 +19,9 @@ the block does not rebuild, and the fp32 scale 0.05 is tried: 0.05 * 5 + 0.5 = 0
 Dequantized Q4_1 rows rebuild with the fp16 scale they were written with.
 
 `q8_blocks` finds the symmetric 8-bit form the same way (d q per block, codes in [-127, 127], GGUF's
-Q8_0, which the embedded model's embedding and tied lm_head are): the AMX panels take it too.
-`bf16_exact` tells a bf16 checkpoint loaded as fp32 (every value exact in bf16): the bf16-amx kernel's.
+Q8_0, which the embedded model's embedding and tied lm_head are): the panel GEMM keeps it as 8-bit
+panels, on FMAs or AMX tiles. `bf16_exact` tells a bf16 checkpoint loaded as fp32 (every value exact
+in bf16): the panel GEMM keeps it as bf16 panels (`bf16_panels`), and the bf16-amx kernel takes it.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ threads; it runs only where it applies; bad input raises before anything is writ
 
 from __future__ import annotations
 
+import platform
 import time
 
 import pytest
@@ -212,3 +213,27 @@ def test_timed_phases_add_up_and_change_nothing(tiny):
     with pytest.raises(ValueError, match="float64"):
         stack.run(h.clone(), *args)
     stack.timings = None
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+@pytest.mark.parametrize("weights", ["fp32", "q4"])
+def test_an_engine_built_for_a_lesser_x86_gives_the_same_tokens(tiny, weights, monkeypatch):
+    """SWIFTKV_CPU_MAX_ISA=avx2: every C kernel of the engine (panel GEMM, decode stack, attention, ops,
+    sampling) built without AVX-512 and AMX, as on an AVX2-only CPU, gives the native build's greedy
+    tokens and logits within fp32 reassociation (the 8-lane blocks sum in another order)."""
+    cfg, state, _ = tiny(**TINY_MODELS["swiftkv_g1"])
+    if weights == "q4":
+        state = four_bit_state_dict(state)
+    prompts = random_prompts(4, cfg.vocab_size, [3, 40, 9, 25], seed=7)
+    runs = {}
+    for isa in ("native", "avx2"):
+        monkeypatch.setenv(cpu_compile.ISA_SWITCH, isa)
+        llm = LLM.from_state_dict(cfg, state, **ENGINE)
+        model = llm.llm_engine.runner.model
+        if isa == "avx2":
+            assert model.stacks[0].layers[0].qkv.layouts["panel"].rows_per_block == 6
+        runs[isa] = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert all(s.calls > 0 for s in model.stacks if s.layers)
+    for native, lesser in zip(runs["native"], runs["avx2"]):
+        assert lesser.outputs[0].token_ids == native.outputs[0].token_ids
+        torch.testing.assert_close(lesser.outputs[0].logits, native.outputs[0].logits, atol=1e-4, rtol=0)

@@ -293,7 +293,7 @@ def unavailable_reason() -> str | None:
         return f"{ENV_SWITCH}=0"
     if _functions() is None:
         return "no C compiler"
-    status = _tile_permission()
+    status = _tile_permission(cpu_compile.max_isa())
     if status == 2:
         return "the C compiler does not target AMX-BF16 on this CPU"
     if status:
@@ -306,8 +306,9 @@ def _functions():
 
 
 @cache
-def _tile_permission() -> int:
-    """swiftkv_amx_enable's answer, asked once per process (Linux keeps the permission for it)."""
+def _tile_permission(isa: str) -> int:
+    """swiftkv_amx_enable's answer for the kernels built for `isa` (cpu_compile.max_isa: 2 where that
+    build has no AMX), asked once per process and build (Linux keeps the permission for the process)."""
     return _functions()["swiftkv_amx_enable"]()
 
 

@@ -57,9 +57,9 @@ panels' bit for bit. Measured on a 2-core Xeon (AVX-512, 30 layers' weights stre
 GFLOP/s, fp32 / 4-bit panels): 1 row 9-10 / 18-30, 4 rows 34-37 / 65-103, 16 rows 109-123 / 145-192.
 An item of several register blocks rebuilds each weight once, in its first block, which keeps the
 rebuilt slice in an fp32 buffer for the others (see gemm_run): with the AVX2 blocks of 6 rows (the same
-Xeon, AVX-512 and AMX compiled out, MKL and oneDNN held to AVX2) 4-bit panels went from 82-101 to
-108-124 GFLOP/s at 16 rows and from 93-98 to 160-164 at 64, where the fp32 panels run 90-103 and
-158-167; with AVX-512's 16-row blocks 64 and 256 rows 7-10% faster, 32 rows within 4%.
+Xeon, AVX-512 and AMX compiled out, MKL and oneDNN held to AVX2) 4-bit panels went from 85-101 to
+108-124 GFLOP/s at 16 rows and from 98-102 to 160-164 at 64, where the fp32 panels run 90-103 and
+158-167; with AVX-512's 16-row blocks 64 and 256 rows 7-12% faster, 32 rows 2-4% slower.
 The same holds for weights exactly 8-bit blocks (d q, GGUF's Q8_0: the embedded model's embedding and
 tied lm_head), as 8-bit panels (PANEL_Q8: d, zeros for m, then the int8 codes of each pair of inputs
 side by side, 20 bytes per input), and for weights whose every value is exact in bf16 (a bf16
@@ -505,7 +505,7 @@ static inline int64_t gemm_items(struct gemm_rows rows, int64_t N) {
    first register block rebuilds each slice's weights in registers (micro_q4, _q8, _bf16) and keeps them
    in an fp32 buffer that the item's other blocks read from L1 with the fp32 micro kernels: each weight
    is rebuilt once per item instead of once per block, which had cost each block FMA-port slots (4-bit,
-   AVX2, 6-row blocks: 32 rows 89-95 -> 121-135 GFLOP/s, 64 rows 93-98 -> 151-156). The same FMAs in
+   AVX2, 6-row blocks: 32 rows 97-105 -> 140-154 GFLOP/s, 64 rows 98-102 -> 160-164). The same FMAs in
    the same order either way, so the results are the fp32 panels' bit for bit. */
 static void gemm_run(const float *xp, const void *packed, int format, const float *bias, float *y,
                      int64_t N, int64_t K, struct gemm_rows rows) {

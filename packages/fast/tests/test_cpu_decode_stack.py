@@ -42,6 +42,19 @@ def _engine(tiny, name, stacks: bool, **overrides):
     return cfg, llm, model
 
 
+def _runs_under(monkeypatch, env: str, values, cfg, state, prompts) -> dict:
+    """The same engine built and run greedily under each value of the environment variable `env`:
+    {value: (outputs, KV cache, model)}, every decode stack having run."""
+    runs = {}
+    for value in values:
+        monkeypatch.setenv(env, value)
+        llm = LLM.from_state_dict(cfg, state, **ENGINE)
+        model = llm.llm_engine.runner.model
+        runs[value] = (llm.generate(prompts, GREEDY, use_tqdm=False), llm.llm_engine.runner.kv_cache, model)
+        assert all(s.calls > 0 for s in model.stacks if s.layers)
+    return runs
+
+
 @pytest.mark.parametrize(
     "name, threads, kv_cache_dtype",
     [
@@ -90,16 +103,11 @@ def test_stack_over_compact_panels_equals_fp32_panels(tiny, name, form, monkeypa
     else:
         state = {k: v.to(torch.bfloat16).float() for k, v in state.items()}
     prompts = random_prompts(4, cfg.vocab_size, [3, 40, 9, 25], seed=5)
-    runs = {}
-    for four_bit in ("0", "1"):
-        monkeypatch.setenv(cpu_gemm.FOUR_BIT_SWITCH, four_bit)
-        llm = LLM.from_state_dict(cfg, state, **ENGINE)
-        model = llm.llm_engine.runner.model
+    runs = _runs_under(monkeypatch, cpu_gemm.FOUR_BIT_SWITCH, ("0", "1"), cfg, state, prompts)
+    for four_bit, (_, _, model) in runs.items():
         formats = {lin.layouts["panel"].format for x in model.stacks[0].layers for lin in layer_linears(x)}
         assert formats == {"fp32" if four_bit == "0" else form}
-        runs[four_bit] = (llm.generate(prompts, GREEDY, use_tqdm=False), llm.llm_engine.runner.kv_cache)
-        assert all(s.calls > 0 for s in model.stacks if s.layers)
-    (full, kv_full), (compact, kv_compact) = runs["0"], runs["1"]
+    (full, kv_full, _), (compact, kv_compact, _) = runs["0"], runs["1"]
     for e, a in zip(full, compact):
         assert a.outputs[0].token_ids == e.outputs[0].token_ids
         assert torch.equal(a.outputs[0].logits, e.outputs[0].logits)
@@ -225,15 +233,8 @@ def test_an_engine_built_for_a_lesser_x86_gives_the_same_tokens(tiny, weights, m
     if weights == "q4":
         state = four_bit_state_dict(state)
     prompts = random_prompts(4, cfg.vocab_size, [3, 40, 9, 25], seed=7)
-    runs = {}
-    for isa in ("native", "avx2"):
-        monkeypatch.setenv(cpu_compile.ISA_SWITCH, isa)
-        llm = LLM.from_state_dict(cfg, state, **ENGINE)
-        model = llm.llm_engine.runner.model
-        if isa == "avx2":
-            assert model.stacks[0].layers[0].qkv.layouts["panel"].rows_per_block == 6
-        runs[isa] = llm.generate(prompts, GREEDY, use_tqdm=False)
-        assert all(s.calls > 0 for s in model.stacks if s.layers)
-    for native, lesser in zip(runs["native"], runs["avx2"]):
+    runs = _runs_under(monkeypatch, cpu_compile.ISA_SWITCH, ("native", "avx2"), cfg, state, prompts)
+    assert runs["avx2"][2].stacks[0].layers[0].qkv.layouts["panel"].rows_per_block == 6
+    for native, lesser in zip(runs["native"][0], runs["avx2"][0]):
         assert lesser.outputs[0].token_ids == native.outputs[0].token_ids
         torch.testing.assert_close(lesser.outputs[0].logits, native.outputs[0].logits, atol=1e-4, rtol=0)

@@ -510,16 +510,19 @@ static inline int64_t gemm_items(struct gemm_rows rows, int64_t N) {
 static void gemm_run(const float *xp, const void *packed, int format, const float *bias, float *y,
                      int64_t N, int64_t K, struct gemm_rows rows) {
     const int64_t panels = (N + 15) / 16, groups = rows.groups;
-    const int q4 = format == PANEL_Q4, q8 = format == PANEL_Q8, bf16 = format == PANEL_BF16;
-    const micro_fn *rebuild = q4 ? micro_q4 : q8 ? micro_q8 : micro_bf16;
 #if HAVE_AMX_Q4
     if (PANEL_AMX(format)) {
         amx_run((const uint16_t *)xp, packed, bias, y, N, K, rows, format);
         return;
     }
 #endif
-    /* bytes per input and panel; inputs per prefetch (the 4-bit micro kernels prefetch once a pair) */
-    const int64_t in_bytes = q4 ? Q4_BLOCK_BYTES / Q4_BLOCK : q8 ? Q8_BLOCK_BYTES / Q4_BLOCK : bf16 ? 32 : 64;
+    /* the micro kernels that rebuild this format's weights (NULL: fp32 panels, read as they are); bytes
+       per input and panel; inputs per prefetch (the 4- and 8-bit kernels prefetch once a pair) */
+    const int q4 = format == PANEL_Q4, q8 = format == PANEL_Q8;
+    const micro_fn *rebuild = q4 ? micro_q4 : q8 ? micro_q8 : format == PANEL_BF16 ? micro_bf16 : NULL;
+    const int64_t in_bytes = q4   ? Q4_BLOCK_BYTES / Q4_BLOCK
+                             : q8 ? Q8_BLOCK_BYTES / Q4_BLOCK
+                             : rebuild ? 32 /* bf16 */ : 64;
     const int64_t pf_inputs = q4 || q8 ? 2 : 1;
     #pragma omp for schedule(static)
     for (int64_t item = 0; item < gemm_items(rows, N); item++) {
@@ -546,7 +549,7 @@ static void gemm_run(const float *xp, const void *packed, int format, const floa
                 const int64_t m = GROUP_START(g), r = GROUP_START(g + 1) - m - 1;
                 const float *xg = xp + g * K * MR + k0 * MR;
                 const char *pf = ahead + (g - g0) * step * (kc / pf_inputs);
-                if (!q4 && !q8 && !bf16)
+                if (rebuild == NULL)
                     micro[r](xg, panel + in_bytes * k0, kc, out + (m - m0) * ldo, ldo, k0 > 0, pf, step,
                              NULL);
                 else if (g == g0)

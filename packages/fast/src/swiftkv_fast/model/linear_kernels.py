@@ -117,38 +117,41 @@ def _mkldnn(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) ->
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def _own_linear(x: torch.Tensor, layout, bias: torch.Tensor | None) -> torch.Tensor:
+    """The compiled kernels' layouts (PanelWeight, Bf16x3Weight, Q4AmxWeight) multiply by themselves."""
+    return layout.linear(x, bias)
+
+
 KERNELS = {
     "linear": LinearKernel("linear", lambda w: w, F.linear),
     "matmul": LinearKernel("matmul", lambda w: w.t().contiguous(), _matmul),
     "mkldnn": LinearKernel("mkldnn", _mkldnn_pack, _mkldnn),
-    "panel": LinearKernel(
-        "panel", PanelWeight, lambda x, w, bias: w.linear(x, bias), unavailable=cpu_gemm.unavailable_reason
-    ),
+    "panel": LinearKernel("panel", PanelWeight, _own_linear, unavailable=cpu_gemm.unavailable_reason),
     "bf16x3": LinearKernel(
         "bf16x3",
         Bf16x3Weight,
-        lambda x, w, bias: w.linear(x, bias),
+        _own_linear,
         precision="high",
         unavailable=cpu_amx.unavailable_reason,
     ),
     "q4-amx": LinearKernel(
         "q4-amx",
         Q4AmxWeight,
-        lambda x, w, bias: w.linear(x, bias),
+        _own_linear,
         forms=frozenset({"q4"}),
         unavailable=cpu_amx.unavailable_reason,
     ),
     "bf16-amx": LinearKernel(
         "bf16-amx",
         partial(Bf16x3Weight, exact=True),
-        lambda x, w, bias: w.linear(x, bias),
+        _own_linear,
         forms=frozenset({"bf16"}),
         unavailable=cpu_amx.unavailable_reason,
     ),
     "panel-amx": LinearKernel(
         "panel-amx",
         partial(PanelWeight, amx=True),
-        lambda x, w, bias: w.linear(x, bias),
+        _own_linear,
         forms=frozenset({"q4", "q8"}),
         unavailable=cpu_gemm.amx_unavailable_reason,
     ),

@@ -8,8 +8,9 @@ over transformers that any engine can reach on this machine's fp32 GEMM. On requ
 engine over a bf16 KV cache too (`fast-off-kv-bf16`, `fast-on-kv-bf16`: kv_cache_dtype="bfloat16"), and
 the engine with every weight kept in fp32 (`fast-off-fp32-weights`, `fast-on-fp32-weights`: built with
 SWIFTKV_CPU_GEMM_4BIT=0, so 4-bit weights get neither 4-bit panels nor q4-amx). With the floors, the
-table notes each floor plus attention's irreducible work (bench/attention_floor.py) and every engine
-system's share of it.
+table notes each floor plus attention's irreducible work (bench/attention_floor.py), every engine
+system's share of it, and the largest share of the GEMM floor's ratio any engine can reach (the floor's
+time over that sum's: an engine's share of the floor is the floor's time over its own).
 Mixes (request count x prompt length -> output length):
 
   issue4          16 x 256 -> 64              the issue-4 scenario
@@ -285,6 +286,9 @@ def _attention_floor(floor_samples, base, work, gbps: float, fma_peak: float) ->
             gemm_seconds, *work, element_bytes=element_bytes, gbps=gbps, fma_gflops=fma_peak
         )
         floor["vs_hf_generate"] = Stats.of([x.seconds / floor["seconds"] for x in base])
+        # an engine's share of the GEMM floor's ratio is floor time / its own time, and its own time is
+        # at least this floor's: the largest share any engine can reach here
+        floor["most_of_gemm_floor"] = gemm_seconds / floor["seconds"]
         out[kv] = floor
     return out
 
@@ -471,6 +475,7 @@ def _attention_floor_notes(rows: list[dict]) -> list[str]:
             parts.append(
                 f"{kv} KV cache ({f['kv_read_bytes'] / 1e9:.1f} GB read): {f['seconds']:.1f} s, "
                 f"{f['vs_hf_generate'].median:.2f}x hf-generate" + (f" ({shares} of it)" if shares else "")
+                + f", so no engine passes {100 * f['most_of_gemm_floor']:.0f}% of {r['system']}"
             )
         notes.append(
             f"{r['system']} + attention's irreducible work (every decode step's K/V read once at "

@@ -85,3 +85,8 @@ def test_throughput_table_adds_attention_to_the_floor(monkeypatch, tmp_path, cap
     assert (floor["read_gbps"], floor["fma_peak_gflops"]) == (10.0, 100.0)
     assert floor["bf16"]["kv_read_bytes"] * 2 == floor["fp32"]["kv_read_bytes"] > 0
     assert floor["fp32"]["seconds"] > floor["bf16"]["seconds"] > floor["fp32"]["prompt_attention_seconds"]
+    gemm_seconds = rows["gemm-floor-off"]["elapsed_time"]["median"]  # one round: the floor's own time
+    for kv in ("fp32", "bf16"):
+        bound = floor[kv]["most_of_gemm_floor"]
+        assert bound == pytest.approx(gemm_seconds / floor[kv]["seconds"]) and 0 < bound < 1
+        assert f"no engine passes {100 * bound:.0f}% of gemm-floor-off" in out

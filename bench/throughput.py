@@ -474,7 +474,8 @@ def _attention_floor_notes(rows: list[dict]) -> list[str]:
             )
             parts.append(
                 f"{kv} KV cache ({f['kv_read_bytes'] / 1e9:.1f} GB read): {f['seconds']:.1f} s, "
-                f"{f['vs_hf_generate'].median:.2f}x hf-generate" + (f" ({shares} of it)" if shares else "")
+                f"{f['vs_hf_generate'].median:.2f}x hf-generate"
+                + (f" ({shares} of it)" if shares else "")
                 + f", so no engine passes {100 * f['most_of_gemm_floor']:.0f}% of {r['system']}"
             )
         notes.append(

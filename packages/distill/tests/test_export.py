@@ -62,6 +62,32 @@ def test_round_trip_and_fast_engine(students, tmp_path, name):
     assert [o.outputs[0].token_ids for o in got] == [w.token_ids for w in want]
 
 
+def test_a_bf16_teacher_gives_a_bf16_student(tmp_path):
+    """The student is stored as the teacher is: its weights bit for bit, the fitted ones rounded."""
+    from swiftkv_fast import LLM, SamplingParams
+
+    config = tiny_config(**PLAIN_MODELS["llama"])
+    stored = {k: v.to(torch.bfloat16) for k, v in random_state_dict(config, seed=5).items()}
+    save_checkpoint(tmp_path / "teacher", config, stored)
+    g = torch.Generator().manual_seed(0)
+    batches = [Batch.from_sequences([torch.randint(3, 128, (30,), generator=g).tolist()] * 3)]
+    student_config, state = calibrate(load_model(tmp_path / "teacher"), batches, 2, progress=False)
+    out = export_student(tmp_path / "student", student_config, state, tmp_path / "teacher")
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    saved = load_state_dict(out, dtype=None)
+    assert {t.dtype for t in saved.values()} == {torch.bfloat16}
+    assert all(torch.equal(saved[k], stored[k]) for k in stored.keys() & saved.keys())
+    fitted = "model.layers.2.self_attn.k_proj_swiftkv.weight"
+    assert torch.equal(saved[fitted], state[fitted].to(torch.bfloat16))
+    assert not torch.equal(saved[fitted].float(), state[fitted])  # fitted in fp32: rounded here
+    model = load_model(out)
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 3, 12]]
+    want = generate(model, prompts, SamplingSettings(max_tokens=8, ignore_eos=True))
+    llm = LLM(str(out), max_model_len=64, num_kv_blocks=32)
+    got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [w.token_ids for w in want]
+
+
 def test_refuses_a_non_empty_directory_unless_overwrite(students, tmp_path):
     teacher_dir, config, state = students["llama"]
     target = tmp_path / "student"

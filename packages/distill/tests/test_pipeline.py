@@ -27,7 +27,7 @@ from swiftkv_distill.pipeline import (
     run_distill,
     teacher_fingerprint,
 )
-from swiftkv_reference.checkpoint import save_checkpoint
+from swiftkv_reference.checkpoint import load_state_dict, save_checkpoint
 from swiftkv_reference.testing import random_state_dict, tiny_config
 from swiftkv_reference.tokenizer import load_tokenizer
 from tiny_teacher import save_tiny_teacher
@@ -278,6 +278,29 @@ def test_run_distill_trains_on_the_training_share_only(teacher, tmp_path, monkey
     assert saved["settings"].pop("distill_precision") == resolved  # the steps ran in it too
     assert saved["settings"] == settings.cache_key() and resolved in ("fp32", "bf16")
     assert saved["results"]["distilled"]["num_examples"] == len(heldout)
+
+
+def test_a_bf16_teacher_is_scored_as_its_student_is_written(tmp_path, monkeypatch):
+    """The final evaluation reads the weights rounded to the teacher's bf16, as the checkpoint holds them."""
+    teacher = save_tiny_teacher(tmp_path / "teacher", dtype=torch.bfloat16)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in DATA))
+    scored = []
+
+    real = pipeline.evaluate
+
+    def evaluate(teacher, student, heldout, **kwargs):
+        scored.append({k: v.detach().clone() for k, v in student.state_dict().items()})
+        return real(teacher, student, heldout, **kwargs)
+
+    monkeypatch.setattr(pipeline, "evaluate", evaluate)
+    settings = DistillSettings(num_key_value_layers=2, greedy_tokens=0, batch_tokens=256, seed=3)
+    report = run_distill(teacher, tmp_path / "out", settings, data_path=data)
+    saved = load_state_dict(report.out_dir, dtype=None)
+    assert {t.dtype for t in saved.values()} == {torch.bfloat16}
+    (weights,) = scored
+    assert weights.keys() == saved.keys()
+    assert all(torch.equal(weights[k], saved[k].float()) for k in saved)
 
 
 @pytest.mark.parametrize("resolved, matmul_precision", [("bf16", "high"), ("fp32", "highest")])

@@ -334,3 +334,33 @@ def test_tied_checkpoint_with_a_redundant_lm_head(tmp_path):
         str(tmp_path / "model.safetensors"),
     )
     assert torch.equal(load_model(tmp_path)(_ids()), tiny_model(config)(_ids()))
+
+
+@pytest.mark.parametrize(
+    "dtype, shard", [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, 40_000)]
+)
+def test_stored_dtype_is_the_dtype_of_most_values_and_config_json_says_it(tmp_path, dtype, shard):
+    config = tiny_config()
+    state = {k: v.to(dtype) for k, v in random_state_dict(config, seed=2).items()}
+    state = {k: v.float() if "norm" in k else v for k, v in state.items()}  # a few fp32 tensors beside
+    src = tmp_path / "plain"
+    save_checkpoint(src, config, state, max_shard_bytes=shard)
+    name = str(dtype).removeprefix("torch.")
+    assert checkpoint.stored_dtype(src) == dtype
+    assert json.loads((src / "config.json").read_text())["torch_dtype"] == name
+    out = convert_to_swiftkv(src, tmp_path / "swiftkv", 2)  # keeps the stored dtypes, and says so
+    assert checkpoint.stored_dtype(out) == dtype
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == name
+    assert load_state_dict(out, dtype=None)["model.layers.0.mlp.up_proj.weight"].dtype == dtype
+
+
+def test_stored_dtype_refuses_a_broken_file(tmp_path):
+    config = tiny_config()
+    save_checkpoint(tmp_path, config, random_state_dict(config))
+    with open(tmp_path / "model.safetensors", "r+b") as f:  # truncated
+        f.truncate(f.seek(0, 2) - 4096)
+    with pytest.raises(CheckpointError, match="safetensors header of .*model.safetensors"):
+        checkpoint.stored_dtype(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(CheckpointError, match="safetensors header"):
+        checkpoint.stored_dtype(tmp_path)

@@ -3,6 +3,10 @@
 num_key_value_layers, key_value_group_size, swiftkv: true), model.safetensors with Snowflake's
 parameter names, and the tokenizer / generation files of the teacher's directory.
 
+The weights are stored in the dtype the teacher's are (`stored_dtype`: bf16 for most Hugging Face
+checkpoints), whatever the student was computed in: the teacher's own weights come back bit for bit, the
+fitted SwiftKV ones are rounded to it, and the checkpoint is the teacher's size, not twice it.
+
 The same machinery as `swiftkv convert` (swiftkv_reference.checkpoint): paths and the state dict are
 checked before anything is written, a non-empty output directory is refused unless `overwrite` (and
 then only when it holds a checkpoint), the teacher's directory is never written, and the files go into
@@ -22,6 +26,7 @@ from swiftkv_reference.checkpoint import (
     copy_tokenizer_files,
     save_checkpoint,
     staged_directory,
+    stored_dtype,
 )
 from swiftkv_reference.config import SwiftKVConfig
 
@@ -36,21 +41,35 @@ def export_student(
     overwrite: bool = False,
 ) -> Path:
     """Save (config, state_dict) (from `calibrate` or distillation) into `out_dir` with the tokenizer
-    files of `teacher_dir`, the checkpoint the student was made from; returns the resolved `out_dir`."""
+    files of `teacher_dir`, the checkpoint the student was made from, its floating tensors in the dtype
+    of the teacher's (`export_dtype`); returns the resolved `out_dir`."""
     src, dst = Path(teacher_dir).resolve(), Path(out_dir).resolve()
     check_conversion_paths(src, dst, overwrite)
     check_state_dict(config, state_dict)
+    dtype = export_dtype(src)
+    state_dict = as_exported(state_dict, dtype)
     config = config.replace(swiftkv=True)
     with staged_directory(dst) as tmp:
         save_checkpoint(tmp, config, state_dict)
         copied = copy_tokenizer_files(src, tmp)
     logger.info(
-        "wrote %s (%s, L=%d of N=%d, G=%d; tokenizer files %s)",
+        "wrote %s (%s, L=%d of N=%d, G=%d, %s; tokenizer files %s)",
         dst,
         config.to_hf()["model_type"],
         config.num_key_value_layers,
         config.num_hidden_layers,
         config.key_value_group_size,
+        str(dtype).removeprefix("torch."),
         copied,
     )
     return dst
+
+
+def export_dtype(teacher_dir: str | os.PathLike) -> torch.dtype:
+    """The dtype `export_student` writes a student of this teacher in: the teacher's own."""
+    return stored_dtype(teacher_dir)
+
+
+def as_exported(state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The floating tensors rounded to `dtype` (what the checkpoint will hold), the rest as they are."""
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}

@@ -44,7 +44,7 @@ from .data import (
 )
 from .distill import DistillConfig, TeacherCache, distill
 from .evaluate import EvalResult, evaluate
-from .export import export_student
+from .export import as_exported, export_dtype, export_student
 from .precision import check_precision, resolve_precision
 from .report import format_table, write_report
 from .trainer_state import list_checkpoints
@@ -326,6 +326,10 @@ def run_distill(
         del teacher_cache
         seconds["distill"] = time.perf_counter() - t
         state = {k: v.detach().cpu() for k, v in student.state_dict().items()}
+    dtype = export_dtype(teacher_dir)
+    if dtype != torch.float32:  # score the weights as the checkpoint will hold them
+        state = {k: v.float() if v.is_floating_point() else v for k, v in as_exported(state, dtype).items()}
+        student.load_state_dict(state)
     t = time.perf_counter()
     results["distilled" if settings.steps else "calibrated"] = _evaluate(teacher, student, heldout, settings)
     seconds["evaluate"] = time.perf_counter() - t

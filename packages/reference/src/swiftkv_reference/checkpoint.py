@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shlex
 import shutil
@@ -27,7 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .config import SwiftKVConfig, read_json_object
@@ -166,6 +167,37 @@ def load_state_dict(
     return state
 
 
+# safetensors' dtype names of the floating dtypes
+_FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def stored_dtype(directory: str | os.PathLike) -> torch.dtype:
+    """The floating dtype most of a checkpoint's floating values are stored in (bf16 for most Hugging
+    Face checkpoints, fp32 for the embedded model), read from the safetensors headers: nothing is
+    loaded. fp32 when the checkpoint holds no floating tensor."""
+    directory = Path(directory)
+    index = directory / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map = read_json_object(index, CheckpointError).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: 'weight_map' must be an object mapping tensor names to shards")
+        files = sorted({directory / str(name) for name in weight_map.values()})
+    else:
+        files = [directory / SAFETENSORS]
+    values: dict[torch.dtype, int] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    tensor = f.get_slice(name)
+                    dtype = _FLOAT_DTYPES.get(tensor.get_dtype())
+                    if dtype is not None:
+                        values[dtype] = values.get(dtype, 0) + math.prod(tensor.get_shape())
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read the safetensors header of {path}: {e}") from None
+    return max(values, key=values.get) if values else torch.float32
+
+
 def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
@@ -239,10 +271,15 @@ def save_checkpoint(
     check_state_dict(config, state_dict)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    config.save(directory)
     tensors = {
         k: state_dict[k].detach().to("cpu").contiguous().clone() for k in expected_parameter_names(config)
     }
+    values: dict[torch.dtype, int] = {}
+    for t in tensors.values():
+        if t.is_floating_point():
+            values[t.dtype] = values.get(t.dtype, 0) + t.numel()
+    stored = max(values, key=values.get) if values else torch.float32
+    config.save(directory, torch_dtype=str(stored).removeprefix("torch."))  # what most weights are in
     if max_shard_bytes is None:
         save_file(tensors, str(directory / SAFETENSORS), metadata={"format": "pt"})
         return directory

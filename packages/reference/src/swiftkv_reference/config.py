@@ -288,12 +288,14 @@ class SwiftKVConfig:
             )
         return hf
 
-    def save(self, directory: str | os.PathLike) -> Path:
-        """Write `config.json` into `directory` (created if needed); returns its path."""
+    def save(self, directory: str | os.PathLike, torch_dtype: str = "float32") -> Path:
+        """Write `config.json` into `directory` (created if needed); returns its path. `torch_dtype`: what
+        the weights beside it are stored in ("float32", "bfloat16", ...), as Hugging Face reads it."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
+        hf = self.to_hf() | {"torch_dtype": torch_dtype}
         path = directory / "config.json"
-        path.write_text(json.dumps(self.to_hf(), indent=2, sort_keys=True) + "\n")
+        path.write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
         return path
 
     def replace(self, **changes: Any) -> SwiftKVConfig:

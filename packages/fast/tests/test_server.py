@@ -79,7 +79,10 @@ def test_completions_greedy_equal_llm_generate(client, offline):
         assert c.text == out.text and c.finish_reason == "length"
         assert token_ids(c.logprobs.tokens) == out.token_ids
         want_lps = [lps[t] for lps, t in zip(out.logprobs, out.token_ids)]
-        assert c.logprobs.token_logprobs == pytest.approx(want_lps, abs=1e-4)
+        # the server is another process: MKL's sgemm there may round differently (its results vary from
+        # process to process unless MKL_CBWR is set), and this random tiny model amplifies that: two
+        # outcomes measured, 8.1e-4 apart at most; the runner-up token is 0.08 or more below at every step.
+        assert c.logprobs.token_logprobs == pytest.approx(want_lps, abs=2e-3)
         assert all(len(top) == 1 for top in c.logprobs.top_logprobs)
     prompt_tokens = sum(len(w.prompt_token_ids) for w in want)
     assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (prompt_tokens, 4 * 24)

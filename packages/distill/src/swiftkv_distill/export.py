@@ -39,14 +39,15 @@ def export_student(
     state_dict: dict[str, torch.Tensor],
     teacher_dir: str | os.PathLike,
     overwrite: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> Path:
     """Save (config, state_dict) (from `calibrate` or distillation) into `out_dir` with the tokenizer
-    files of `teacher_dir`, the checkpoint the student was made from, its floating tensors in the dtype
-    of the teacher's (`export_dtype`); returns the resolved `out_dir`."""
+    files of `teacher_dir`, the checkpoint the student was made from, its floating tensors in `dtype`
+    (None: the teacher's, `stored_dtype`); returns the resolved `out_dir`."""
     src, dst = Path(teacher_dir).resolve(), Path(out_dir).resolve()
     check_conversion_paths(src, dst, overwrite)
     check_state_dict(config, state_dict)
-    dtype = export_dtype(src)
+    dtype = stored_dtype(src) if dtype is None else dtype
     state_dict = as_exported(state_dict, dtype)
     config = config.replace(swiftkv=True)
     with staged_directory(dst) as tmp:
@@ -63,11 +64,6 @@ def export_student(
         copied,
     )
     return dst
-
-
-def export_dtype(teacher_dir: str | os.PathLike) -> torch.dtype:
-    """The dtype `export_student` writes a student of this teacher in: the teacher's own."""
-    return stored_dtype(teacher_dir)
 
 
 def as_exported(state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:

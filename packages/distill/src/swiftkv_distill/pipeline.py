@@ -25,7 +25,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from swiftkv_reference.checkpoint import TOKENIZER_FILES, check_conversion_paths, load_config, load_model
+from swiftkv_reference.checkpoint import (
+    TOKENIZER_FILES,
+    check_conversion_paths,
+    load_config,
+    load_model,
+    stored_dtype,
+)
 from swiftkv_reference.config import SwiftKVConfig
 from swiftkv_reference.model import SwiftKVForCausalLM
 
@@ -44,7 +50,7 @@ from .data import (
 )
 from .distill import DistillConfig, TeacherCache, distill
 from .evaluate import EvalResult, evaluate
-from .export import as_exported, export_dtype, export_student
+from .export import as_exported, export_student
 from .precision import check_precision, resolve_precision
 from .report import format_table, write_report
 from .trainer_state import list_checkpoints
@@ -265,6 +271,7 @@ def run_distill(
     check_conversion_paths(teacher_dir.resolve(), out_dir.resolve(), overwrite)
     check_checkpoint_flags(settings, checkpoint_dir, resume)
     tokenizer = load_teacher_tokenizer(teacher_dir)
+    dtype = stored_dtype(teacher_dir)  # what the student is written in: the teacher's own
     seconds: dict[str, float] = {}
 
     t = time.perf_counter()
@@ -326,14 +333,13 @@ def run_distill(
         del teacher_cache
         seconds["distill"] = time.perf_counter() - t
         state = {k: v.detach().cpu() for k, v in student.state_dict().items()}
-    dtype = export_dtype(teacher_dir)
     if dtype != torch.float32:  # score the weights as the checkpoint will hold them
         state = {k: v.float() if v.is_floating_point() else v for k, v in as_exported(state, dtype).items()}
         student.load_state_dict(state)
     t = time.perf_counter()
     results["distilled" if settings.steps else "calibrated"] = _evaluate(teacher, student, heldout, settings)
     seconds["evaluate"] = time.perf_counter() - t
-    export_student(out_dir, config, state, teacher_dir, overwrite=overwrite)
+    export_student(out_dir, config, state, teacher_dir, overwrite=overwrite, dtype=dtype)
     report = DistillReport(
         out_dir,
         config,

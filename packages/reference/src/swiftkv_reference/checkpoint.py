@@ -184,17 +184,24 @@ def stored_dtype(directory: str | os.PathLike) -> torch.dtype:
         files = sorted({directory / str(name) for name in weight_map.values()})
     else:
         files = [directory / SAFETENSORS]
-    values: dict[torch.dtype, int] = {}
+    sizes: list[tuple[torch.dtype, int]] = []
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
                     tensor = f.get_slice(name)
-                    dtype = _FLOAT_DTYPES.get(tensor.get_dtype())
-                    if dtype is not None:
-                        values[dtype] = values.get(dtype, 0) + math.prod(tensor.get_shape())
+                    if tensor.get_dtype() in _FLOAT_DTYPES:
+                        sizes.append((_FLOAT_DTYPES[tensor.get_dtype()], math.prod(tensor.get_shape())))
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"cannot read the safetensors header of {path}: {e}") from None
+    return _dtype_of_most(sizes)
+
+
+def _dtype_of_most(sizes: list[tuple[torch.dtype, int]]) -> torch.dtype:
+    """The dtype holding the most values of (dtype, number of values) pairs; fp32 for none."""
+    values: dict[torch.dtype, int] = {}
+    for dtype, n in sizes:
+        values[dtype] = values.get(dtype, 0) + n
     return max(values, key=values.get) if values else torch.float32
 
 
@@ -274,11 +281,7 @@ def save_checkpoint(
     tensors = {
         k: state_dict[k].detach().to("cpu").contiguous().clone() for k in expected_parameter_names(config)
     }
-    values: dict[torch.dtype, int] = {}
-    for t in tensors.values():
-        if t.is_floating_point():
-            values[t.dtype] = values.get(t.dtype, 0) + t.numel()
-    stored = max(values, key=values.get) if values else torch.float32
+    stored = _dtype_of_most([(t.dtype, t.numel()) for t in tensors.values() if t.is_floating_point()])
     config.save(directory, torch_dtype=str(stored).removeprefix("torch."))  # what most weights are in
     if max_shard_bytes is None:
         save_file(tensors, str(directory / SAFETENSORS), metadata={"format": "pt"})

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .adapters.base import Implementation, Output
 from .cases import Case
-from .compare import check_logits_close, check_logprobs_close, check_outputs_equal, summarize
+from .compare import check_logits_close, check_logprobs_close, check_outputs_equal, closeness, summarize
 
 
 def against_reference(impl: Implementation, actual: list[Output], expected: list[Output], case: Case) -> str:
@@ -20,6 +22,34 @@ def against_reference(impl: Implementation, actual: list[Output], expected: list
         )
     check_logprobs_close(actual, expected, name_a=impl.name, name_b="reference", context=context)
     return "low-precision rule held"
+
+
+def against_reference_twice(
+    impl: Implementation,
+    actual: list[Output],
+    expected: list[Output],
+    case: Case,
+    rerun: Callable[[], tuple[list[Output], list[Output]]],
+) -> str:
+    """`against_reference`; when it fails, the case runs once more (a fresh engine, the reference
+    recomputed) and the failure says whether it came back and which side moved, so that a failure seen
+    once (in CI, say) tells a deterministic bug from a transient one. It fails either way."""
+    try:
+        return against_reference(impl, actual, expected, case)
+    except AssertionError as first:
+        again, recomputed = rerun()
+        lines = ["---- the same case once more in this process ----"]
+        for name, a, b in (
+            (f"{impl.name} rerun vs its first run", again, actual),
+            ("reference recomputed vs its first run", recomputed, expected),
+            (f"{impl.name} rerun vs reference recomputed", again, recomputed),
+        ):
+            if [o.token_ids for o in a] != [o.token_ids for o in b]:
+                lines.append(f"{name}: other tokens")
+            elif all(o.logits is not None for o in (*a, *b)):
+                worst = max((closeness(x.logits, y.logits) for x, y in zip(a, b)), key=lambda c: c.max_abs)
+                lines.append(f"{name}: {worst}")
+        raise AssertionError(f"{first}\n" + "\n".join(lines)) from None
 
 
 def invariant(

@@ -24,7 +24,7 @@ from .cases import (
     model_overrides,
     submit,
 )
-from .checks import against_reference, invariant
+from .checks import against_reference, against_reference_twice, invariant
 
 pytestmark = pytest.mark.engine  # the reference has no engine: these tests do not apply to it
 
@@ -56,16 +56,22 @@ def test_engine_matrix(impl, model, engine_name, bench, request):
     sampling = [Sampling(max_tokens=max_tokens)] * len(prompts)
     case = Case(request.node.nodeid, impl, model, ec.options, ec.waves, prompts, sampling)
 
-    # a fresh engine: the prefix-cache state must be the one this case sets up
-    runner = bench.fresh_runner(impl, model, ec.options)
-    try:
-        actual = submit(runner, prompts, sampling, ec.waves)
-        counters = runner.counters()
-    finally:
-        runner.close()
+    def run() -> tuple[list, dict[str, int]]:
+        # a fresh engine: the prefix-cache state must be the one this case sets up
+        runner = bench.fresh_runner(impl, model, ec.options)
+        try:
+            return submit(runner, prompts, sampling, ec.waves), runner.counters()
+        finally:
+            runner.close()
 
+    def rerun() -> tuple[list, list]:
+        ref = bench.reference_model(model)  # each prompt alone, as bench.expected computes it
+        recomputed = [reference_generate(ref, [p], [s])[0] for p, s in zip(prompts, sampling)]
+        return run()[0], recomputed
+
+    actual, counters = run()
     expected = bench.expected(model, prompts, sampling)
-    print(against_reference(impl, actual, expected, case))
+    print(against_reference_twice(impl, actual, expected, case, rerun))
 
     baseline = bench.baseline(impl, model, prompts, sampling)
     invariant(impl, actual, baseline, case, what=f"engine {engine_name}")

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from .adapters.base import Output, top_logprobs_from_logits
+from .checks import against_reference_twice
 from .compare import assert_close, check_logits_close, check_logprobs_close, check_outputs_equal, closeness
 
 
@@ -47,3 +50,23 @@ def test_logits_close_requires_rows():
         check_logits_close([a], [_out([1])], name_a="a", name_b="b")
     with pytest.raises(AssertionError, match="request 0"):
         check_logits_close([a], [_out([1], torch.full((1, 4), 1e-3))], name_a="a", name_b="b")
+
+
+def test_a_failure_runs_the_case_again_and_says_which_side_moved():
+    impl = SimpleNamespace(name="impl", exact=True)
+    case = SimpleNamespace(prompts=[[1]], describe=lambda: "REPRO")
+    good, off = _out([1], torch.zeros(1, 4)), _out([1], torch.full((1, 4), 1e-3))
+    assert "max abs err 0" in against_reference_twice(impl, [good], [good], case, rerun=None)
+
+    def transient():  # the engine is right the second time, the reference unchanged
+        return [good], [good]
+
+    with pytest.raises(AssertionError) as failure:
+        against_reference_twice(impl, [off], [good], case, transient)
+    text = str(failure.value)
+    assert "request 0: logits impl vs reference: max abs err 1.000e-03" in text and "REPRO" in text
+    assert "impl rerun vs its first run: max abs err 1.000e-03" in text
+    assert "reference recomputed vs its first run: max abs err 0.000e+00" in text
+    assert "impl rerun vs reference recomputed: max abs err 0.000e+00" in text
+    with pytest.raises(AssertionError, match="impl rerun vs its first run: other tokens"):
+        against_reference_twice(impl, [off], [good], case, lambda: ([_out([2], torch.zeros(1, 4))], [good]))

@@ -49,7 +49,23 @@ def against_reference_twice(
             elif all(o.logits is not None for o in (*a, *b)):
                 worst = max((closeness(x.logits, y.logits) for x, y in zip(a, b)), key=lambda c: c.max_abs)
                 lines.append(f"{name}: {worst}")
+        lines.append(f"machine: {cpu_summary()}")
         raise AssertionError(f"{first}\n" + "\n".join(lines)) from None
+
+
+def cpu_summary() -> str:
+    """The CPU's model name and microcode revision per logical CPU (/proc/cpuinfo), for telling a
+    machine's fault from ours; "unknown" where there is no /proc/cpuinfo."""
+    fields: dict[str, list[str]] = {"model name": [], "microcode": []}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in fields:
+                    fields[key.strip()].append(value.strip())
+    except OSError:
+        return "unknown"
+    return "; ".join(f"{k} {' / '.join(dict.fromkeys(v)) or '?'}" for k, v in fields.items())
 
 
 def invariant(

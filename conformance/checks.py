@@ -37,13 +37,18 @@ def against_reference_twice(
     try:
         return against_reference(impl, actual, expected, case)
     except AssertionError as first:
-        again, recomputed = rerun()
         lines = ["---- the same case once more in this process ----"]
-        for name, a, b in (
-            (f"{impl.name} rerun vs its first run", again, actual),
-            ("reference recomputed vs its first run", recomputed, expected),
-            (f"{impl.name} rerun vs reference recomputed", again, recomputed),
-        ):
+        pairs = []
+        try:
+            again, recomputed = rerun()
+            pairs = [
+                (f"{impl.name} rerun vs its first run", again, actual),
+                ("reference recomputed vs its first run", recomputed, expected),
+                (f"{impl.name} rerun vs reference recomputed", again, recomputed),
+            ]
+        except Exception as e:  # the first failure stays the one reported
+            lines.append(f"the rerun raised {type(e).__name__}: {e}")
+        for name, a, b in pairs:
             if [o.token_ids for o in a] != [o.token_ids for o in b]:
                 lines.append(f"{name}: other tokens")
             elif all(o.logits is not None for o in (*a, *b)):
@@ -54,8 +59,8 @@ def against_reference_twice(
 
 
 def cpu_summary() -> str:
-    """The CPU's model name and microcode revision per logical CPU (/proc/cpuinfo), for telling a
-    machine's fault from ours; "unknown" where there is no /proc/cpuinfo."""
+    """The CPU's model name and microcode revision (/proc/cpuinfo; each distinct value over the logical
+    CPUs), for telling a machine's fault from ours; "unknown" where there is no /proc/cpuinfo."""
     fields: dict[str, list[str]] = {"model name": [], "microcode": []}
     try:
         with open("/proc/cpuinfo") as f:

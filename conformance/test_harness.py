@@ -69,5 +69,13 @@ def test_a_failure_runs_the_case_again_and_says_which_side_moved():
     assert "reference recomputed vs its first run: max abs err 0.000e+00" in text
     assert "impl rerun vs reference recomputed: max abs err 0.000e+00" in text
     assert "machine: model name " in text or "machine: unknown" in text
+
+    def broken():
+        raise RuntimeError("no memory")
+
+    with pytest.raises(
+        AssertionError, match="logits impl vs reference[\\s\\S]*the rerun raised RuntimeError: no memory"
+    ):
+        against_reference_twice(impl, [off], [good], case, broken)
     with pytest.raises(AssertionError, match="impl rerun vs its first run: other tokens"):
         against_reference_twice(impl, [off], [good], case, lambda: ([_out([2], torch.zeros(1, 4))], [good]))

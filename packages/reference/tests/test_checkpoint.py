@@ -364,3 +364,14 @@ def test_stored_dtype_refuses_a_broken_file(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)
     with pytest.raises(CheckpointError, match="safetensors header"):
         checkpoint.stored_dtype(tmp_path)
+
+
+def test_stored_dtype_reads_the_index_as_the_loader_does(tmp_path):
+    config = tiny_config()
+    save_checkpoint(tmp_path, config, random_state_dict(config), max_shard_bytes=40_000)
+    index = tmp_path / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"]["model.norm.weight"] = "../elsewhere.safetensors"
+    index.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match="not a file name"):
+        checkpoint.stored_dtype(tmp_path)

@@ -178,10 +178,7 @@ def stored_dtype(directory: str | os.PathLike) -> torch.dtype:
     directory = Path(directory)
     index = directory / SAFETENSORS_INDEX
     if index.is_file():
-        weight_map = read_json_object(index, CheckpointError).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index}: 'weight_map' must be an object mapping tensor names to shards")
-        files = sorted({directory / str(name) for name in weight_map.values()})
+        files = [directory / shard for shard in sorted(set(_weight_map(index).values()))]
     else:
         files = [directory / SAFETENSORS]
     sizes: list[tuple[torch.dtype, int]] = []
@@ -214,7 +211,8 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
         ) from None
 
 
-def _load_shards(index_path: Path) -> dict[str, torch.Tensor]:
+def _weight_map(index_path: Path) -> dict[str, str]:
+    """The index's {tensor name: shard file name}, every shard a plain file name beside the index."""
     weight_map = read_json_object(index_path, CheckpointError).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         got = "nothing" if weight_map is None else repr(weight_map)[:80]
@@ -225,11 +223,17 @@ def _load_shards(index_path: Path) -> dict[str, torch.Tensor]:
     bad = {k: f for k, f in weight_map.items() if not isinstance(f, str)}
     if bad:
         raise CheckpointError(f"{index_path}: 'weight_map' values must be file names, got {bad}"[:300])
+    for shard in sorted(set(weight_map.values())):
+        if Path(shard).name != shard:
+            raise CheckpointError(f"{index_path} names shard {shard!r}, which is not a file name")
+    return weight_map
+
+
+def _load_shards(index_path: Path) -> dict[str, torch.Tensor]:
+    weight_map = _weight_map(index_path)
     state: dict[str, torch.Tensor] = {}
     for shard in sorted(set(weight_map.values())):
         shard_path = index_path.parent / shard
-        if Path(shard).name != shard:
-            raise CheckpointError(f"{index_path} names shard {shard!r}, which is not a file name")
         if not shard_path.is_file():
             raise CheckpointError(f"shard {shard!r} named by {index_path} is missing")
         tensors = _load_safetensors(shard_path)

@@ -26,31 +26,14 @@ count; each kv head h is fitted on its own:
   queries that fades as the data grows.
 
 RoPE is applied after the projection on both paths, so fitting before RoPE is exact. The bias
-(attention_bias models) is fitted and never regularized.
-
-Held-out top-1 agreement on the embedded model at L = 15 (27 held-out prompts, 3.1k answer tokens),
-fitted on 42 / 229 / 916 teacher answers (5.4k / 28k / 112k answer tokens):
-
-    uniform                                                    -     0.666    -
-    keys and values weighted by every query's attention,   0.649   0.688  0.687  (the previous default)
-      averaged over all heads
-    per kv head, the answer queries                         0.654   0.693    -
-    values pooled                                           0.641   0.702  0.716
-    values pooled, the prior (weight 0.76 / 0.15 / 0.04)    0.653   0.701  0.714  (the default)
-
-The default levels off: 1,831 answers (the 916 and a second draw of the teacher's sampling) gave
-0.716, and the fit scores 0.748 on answers it was fitted on. Keys weighted by their first-order effect
-on the attention output (sum over q of p^a ||v_t - o_q||^2 ||q||^2, a = 1, 2) instead of their mass
-gave 0.699 / 0.700 on 229 answers, against 0.701. AcrossKV fits poorly (L = 16, G = 2: 0.361, where
-L = 15, G = 1 gives 0.701): one key must serve G layers' queries. Rotating each member's keys by a
-per-(kv head, RoPE pair) phase towards the leader's before the shared fit, with the inverse rotation
-in that member's q_proj_swiftkv (exact logits for exact keys), gave 0.396; not built.
+(attention_bias models) is fitted and never regularized. AcrossKV fits worse than G = 1: one key
+must serve G layers' queries.
 
 Only sufficient statistics are kept, in fp64: S^T W S ((hidden+1)^2 with the bias column, else hidden^2)
-once for uniform weights, or per (leader, kv head, K / V) with attention weights (266 MiB for the
-embedded model at L = 15, 34 GiB for Llama-3.1-8B at L = 16: `weighting="uniform"` needs 1.2 GiB there),
-and S^T W Y per fit, so memory does not grow with the data (statistics larger than the device's memory
-are refused before any data is read). The ridge is relative: lam = ridge *
+once for uniform weights, or per (leader, kv head, K / V) with attention weights, and S^T W Y per fit,
+so memory does not grow with the data. Worked sizes: 266 MiB for the embedded model at L = 15; 34 GiB
+for Llama-3.1-8B at L = 16, where `weighting="uniform"` needs 1.2 GiB. Statistics larger than the
+device's memory are refused before any data is read. The ridge is relative: lam = ridge *
 mean(diag(S^T W S)) over the hidden columns, which leaves the solution unchanged when the data is
 repeated.
 
@@ -126,11 +109,10 @@ class Accumulator:
         acc = Accumulator(576, {15: 384}, weighted=True)
         acc.update(s, {15: y15}, weights={15: w15})  # w15: (n,) >= 0
 
-    The sums are fp64. So are each update's products by default; product_dtype=torch.float32 (2.2x as
-    fast on CPU, for rows that carry bf16's rounding anyway) takes them in fp32 on rows and targets
-    centred on their first update's means, with the means' share added back in fp64 (_update_centered):
-    plain fp32 products moved the pooled value fits of the tests' planted maps by up to 5e-5, as their
-    averaged rows are nearly collinear.
+    The sums are fp64. So are each update's products by default; product_dtype=torch.float32 (faster,
+    for rows that carry bf16's rounding anyway) takes them in fp32 on rows and targets centred on their
+    first update's means, with the means' share added back in fp64 (_update_centered): the pooled
+    value rows are nearly collinear averages, and plain fp32 products of them lose the fit.
     """
 
     def __init__(
@@ -440,9 +422,8 @@ def collect_statistics(
     teacher again.
 
     precision: "fp32", or "bf16": the teacher's pass under bf16 autocast and the statistics' products
-    in fp32 (Accumulator's product_dtype; the sums stay fp64). On the embedded model at L = 15 (2-core
-    Xeon with AMX; 906 teacher answers, 118 held out, side by side): 317 -> 200 s, held-out agreement
-    0.7183 -> 0.7182, KL 0.3490 -> 0.3489."""
+    in fp32 (Accumulator's product_dtype; the sums stay fp64): faster, and the fit scores as fp32's
+    does (docs/performance.md)."""
     check_precision(precision, "calibration precision")
     if precision == "auto":
         raise ValueError("calibration precision must be resolved (fp32 or bf16), got 'auto'")

@@ -49,11 +49,8 @@ def _add_data_flags(p: argparse.ArgumentParser) -> None:
         "--num-samples",
         type=int,
         default=DEFAULT_NUM_SAMPLES,
-        help="teacher answers to generate (without --data). On the embedded model at L = 15 the calibration "
-        "scores 0.705 / 0.725 held-out agreement fitted on 256 / 1,024 answers (10-fold cross-validation by "
-        "prompt; the fit levels off above: 2,048 gained 0.002; 240 distillation steps at lr 1e-3 on 1,024 "
-        "answers reach 0.763); 1,024 answers cost ~4-8 min of generation and ~3-10 min of calibration on 2 "
-        "CPU cores (the lower figures on an Intel Xeon with AMX in bf16, see --precision)",
+        help="teacher answers to generate (without --data). More answers fit better until the fit levels "
+        "off (about 1,024 on the embedded model); what each count gives and costs: docs/distill.md",
     )
     g.add_argument("--max-tokens", type=int, default=256, help="longest teacher answer, in tokens")
     g.add_argument(
@@ -172,8 +169,8 @@ def add_parsers(sub) -> None:
         default=1.0,
         metavar="W",
         help="distillation: weight of the MSE between the student's and the teacher's hidden state entering "
-        "the last layer (Snowflake's 1; 0 trains on the KL alone, which scored better here, and runs the "
-        "layers >= L only where the KL is taken: 1.15x per step on the embedded model)",
+        "the last layer (Snowflake's 1; 0 trains on the KL alone, and then runs the layers >= L only where "
+        "the KL is taken)",
     )
     t.add_argument("--checkpoint-dir", type=Path, default=None, help="where distillation checkpoints go")
     t.add_argument("--resume", action="store_true", help="continue distillation from --checkpoint-dir")

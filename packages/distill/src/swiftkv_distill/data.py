@@ -33,9 +33,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_HOLDOUT_SHARE = 0.1
 DEFAULT_MAX_TOKENS = 256
-# teacher answers the built-in prompts get by default: on the embedded model at L = 15 the calibration's
-# held-out agreement is 0.705 fitted on ~230 answers and 0.725 on ~920 (10-fold cross-validation by
-# prompt, 2026-12-04); 1,024 answers of up to 256 tokens took 6.3 min to generate on 2 Xeon cores
+# teacher answers the built-in prompts get by default: about where calibration's held-out agreement on
+# the embedded model levels off (docs/distill.md)
 DEFAULT_NUM_SAMPLES = 1024
 DEFAULT_TEMPERATURE = 0.7
 

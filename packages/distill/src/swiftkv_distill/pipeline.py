@@ -229,8 +229,7 @@ def load_examples(
 ) -> list[Example]:
     """The user's JSONL, or the teacher's own answers to the built-in prompts (fast engine). precision
     (resolved): with "bf16" the engine may run its fp32 products as bf16x3 where it measures that faster
-    (matmul_precision "high": Intel AMX; about fp32's accuracy), which samples the same distribution:
-    256 answers at 513 -> 725 answer tokens/s on the 2-core Xeon, side by side."""
+    (matmul_precision "high": Intel AMX; about fp32's accuracy), which samples the same distribution."""
     if data_path is not None:
         return load_jsonl(data_path, tokenizer)
     from swiftkv_fast import LLM

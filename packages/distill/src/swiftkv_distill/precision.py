@@ -1,17 +1,13 @@
 """The distillation's arithmetic: fp32, or bf16 autocast over fp32 weights, chosen by measurement.
 
-Where bf16 matrix products are native (AVX512-BF16 or AMX on x86, tensor cores on CUDA) they are 2-4x as
-fast as fp32 ones, and a distillation step is mostly matrix products; a CPU without them (AVX2 only)
+Where bf16 matrix products are native (AVX512-BF16 or AMX on x86, tensor cores on CUDA) they are several
+times as fast as fp32 ones, and a distillation step is mostly matrix products; a CPU without them (AVX2 only)
 converts bf16 in software, where it is not expected to pay. So precision="auto" runs bf16 autocast on
 CUDA, and on CPU times one of the model's decoder layers, forward and backward, both ways, and takes bf16
 only when it is at least BF16_MIN_SPEEDUP times as fast (the casts of the frozen weights and a slower
 bf16 attention eat part of the products' gain). No CPU names or flags are consulted; the choice is
-remembered per process for the model's shapes, so two runs in one process take the same one.
-
-Measured on the embedded model at L = 15 on a 2-core AMD EPYC Zen 4 (AVX512-BF16): the timed layer
-1.6-1.8x as fast in bf16 (its products alone 2.1-3.8x at 1,024 rows); a step of 1,024 tokens (the teacher
-run every step) 6.8 -> 4.0 s, side by side, interleaved; and the same held-out agreement after 60 steps
-from the same start (0.7134 bf16, 0.7131 fp32).
+remembered per process for the model's shapes, so two runs in one process take the same one. bf16
+steps reach the same held-out agreement as fp32 ones (docs/performance.md).
 
     precision = resolve_precision("auto", model, torch.device("cpu"))   # "fp32" or "bf16"
     with autocast(precision, device):
@@ -60,9 +56,8 @@ def frozen_weights_in_bf16(model: SwiftKVForCausalLM, precision: str, device: to
     its bf16 copy, and the context yields a bf16 copy of the output projection (model.lm_weight(), for
     final_logits; None otherwise). The arithmetic is bit for bit autocast's, which casts those fp32
     tensors on every use (its cache keeps only tensors that require grad), once per micro-batch and
-    forward: on the embedded model at L = 15 (2-core Xeon, AMX), 874 -> 801 ms per cached-teacher
-    micro-batch of 1,024 tokens (`python -m bench distill-step`, KL alone, side by side). The copies
-    cost half the frozen weights' bytes (256 MiB there, logged), so CUDA (where the casts are cheap next
+    forward (`python -m bench distill-step` times both). The copies cost half the frozen weights'
+    bytes (logged), so CUDA (where the casts are cheap next
     to a step and memory is the limit) keeps autocast's casts. The original fp32 Parameters are put
     back on exit, whatever happens.
 

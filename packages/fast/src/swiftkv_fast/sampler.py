@@ -60,9 +60,9 @@ def _apply_top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     the rows whose first dropped position lies beyond them, a whole sort past TOP_P_MAX_CANDIDATES)
     are the sorted prefix, with the same cumulative sums (the cumsum of a prefix is the prefix of the
     cumsum). With m tokens kept and the m-th largest value c, the kept set is every token above c and,
-    of those equal to c, the lowest ids (the stable sort's order). A full sort of 16 x 49,152
-    probabilities took ~38 ms on a 2-core AMD EPYC Zen 4, the top 64 (kernels/cpu_sample.py) ~0.5 ms.
-    A row with a NaN (every softmax entry then is) drops nothing, as in the reference."""
+    of those equal to c, the lowest ids (the stable sort's order). A full sort of a row of the
+    vocabulary costs far more than its top 64 (kernels/cpu_sample.py). A row with a NaN (every
+    softmax entry then is) drops nothing, as in the reference."""
     probs = torch.softmax(x, dim=-1)
     batch, vocab = probs.shape
     nan_rows = probs.sum(-1).isnan()  # (B,)

@@ -5,10 +5,9 @@ queries into (R, max_q), and causal / sliding-window / padding masks are built a
 requests of a mixed batch go through the decode path so one long prompt does not pad every decode.
 
 Decode on CPU in fp32 runs the compiled C kernel of kernels/cpu_decode.py: it reads each K/V row once
-straight from the cache blocks (no gathered copy, no SDPA for 3-query problems), 4-7x faster per
-layer at 16 requests x 300 tokens; a bf16 cache (kv_cache_dtype) it reads as fp32, exactly. Where it
-does not apply (CUDA, fp16/bf16 queries, an odd head_dim, no C
-compiler, `TorchBackend(compiled_decode=False)`), decode gathers exactly the context slots (one
+straight from the cache blocks (no gathered copy, no SDPA for 3-query problems); a bf16 cache
+(kv_cache_dtype) it reads as fp32, exactly. Where it does not apply (CUDA, fp16/bf16 queries, an odd
+head_dim, no C compiler, `TorchBackend(compiled_decode=False)`), decode gathers exactly the context slots (one
 `index_select` per K and V, the indices and the mask built once per step: `DecodePlan`, kept in
 `meta.backend_cache` and shared by every layer of the group), and serves GQA by viewing the query
 heads of one KV head as that head's queries: (R, kv_heads, group, D) against (R, kv_heads, max_kv, D),
@@ -19,18 +18,17 @@ KV writes on CPU in fp32 copy (or round to a bf16 cache) each token's rows to it
 (kernels/cpu_ops.py write_kv); elsewhere two index_copy_ calls. A cache of another dtype than the
 queries' is cast to theirs where SDPA reads it.
 
-Prompt rows on CPU in fp32 run the compiled C kernel of kernels/cpu_prefill.py: every request's queries
-in tiles that read only the keys they see, straight from the blocks (about 3x faster than one SDPA call
-per request on a prefill-heavy step). Where it does not apply (no compiler, another dtype,
-`TorchBackend(compiled_prefill=False)`), one of two SDPA paths runs. Prompt rows: one padded SDPA call
-computes R x max_q x max_kv scores (causal without a mask tensor only when every prompt is fresh and
-there is no window; otherwise under a mask, which SDPA runs about 1.35x slower per score). One call per
-request computes only its own n x s scores, causal where that request is fresh, and reads only the keys
-inside its window, but pays the per-call overhead R times. Which is faster is decided per batch from
-`SdpaCost`, three SDPA timings taken once per process and head shape. Per request wins for fresh prompts
-of different lengths (16 prompts of 480-800 tokens: about 1.25x) and for every batch with a chunk that
-continues a prompt (the padded call would mask all of them: a chunked prefill step of 7 x 640 tokens
-runs about 1.5x faster); the padded call wins for many short prompts.
+Prompt rows on CPU in fp32 run the compiled C kernel of kernels/cpu_prefill.py: every request's
+queries in tiles that read only the keys they see, straight from the blocks. Where it does not apply
+(no compiler, another dtype, `TorchBackend(compiled_prefill=False)`), one of two SDPA paths runs. One
+padded SDPA call computes R x max_q x max_kv scores (causal without a mask tensor only when every
+prompt is fresh and there is no window; otherwise under a mask, which SDPA runs slower per score).
+One call per request computes only its own n x s scores, causal where that request is fresh, and
+reads only the keys inside its window, but pays the per-call overhead R times. Which is faster is
+decided per batch from `SdpaCost`, three SDPA timings taken once per process and head shape. Per
+request tends to win for fresh prompts of different lengths and for every batch with a chunk that
+continues a prompt (the padded call would mask all of them); the padded call wins for many short
+prompts.
 """
 
 from __future__ import annotations
@@ -203,7 +201,7 @@ class TorchBackend(AttentionBackend):
     def write_kv(self, kv_cache, k, v, slot_mapping):
         # kv_cache: (n_layers, 2, num_blocks, block_size, kv_heads, head_dim); k, v: (T, n_layers, kvh, hd)
         if kv_cache.is_cpu and cpu_ops.write_kv(kv_cache, k, v, slot_mapping):
-            return  # a C copy per row: a decode step's 16 rows cost ~0.1 ms of torch calls per layer
+            return  # one C call: per-row torch calls would cost more than the copies
         n_layers, _, num_blocks, block_size = kv_cache.shape[:4]
         flat = kv_cache.view(n_layers, 2, num_blocks * block_size, *kv_cache.shape[4:])
         slot_mapping = slot_mapping.long()

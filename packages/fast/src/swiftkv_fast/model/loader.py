@@ -119,7 +119,7 @@ def build_weights(
         return cat(names) if all(x in sd for x in names) else None
 
     # a decoder layer's linears keep a panel layout for the decode stack (model/decode_stack.py) until
-    # model/stack_timing.py has timed it against the per-op path on this machine
+    # model/stack_timing.py has timed it against the per-op path at start-up
     stack_spare = "panel" if dtype == torch.float32 and econf.tensor_parallel_size == 1 else None
 
     def linear(name, weight, bias=None, rows=every_row, shared=False, spare=None):

@@ -7,9 +7,9 @@ first reuses the teacher's outputs) of the embedded model's SwiftKV student, tim
     kl only          the KL at T = 1 alone (--logits-loss-temp 1 --hidden-loss-mult 0): layers >= L run
                      only the positions the KL is taken at
 
-In bf16 on CPU each runs twice: with autocast casting the frozen fp32 weights on every use ("casts",
-distill before 2026-12-05) and with bf16 copies of them held for the run ("copies", what distill does
-now; bit for bit the same losses, which the benchmark checks). The sequences are random tokens shaped
+In bf16 on CPU each runs twice: with autocast casting the frozen fp32 weights on every use ("casts")
+and with bf16 copies of them held for the run ("copies", what distill does; bit for bit the same
+losses, which the benchmark checks). The sequences are random tokens shaped
 like the teacher's data (prompts of 30-60 tokens, answers of 40-256), packed as distill packs them; the
 student is Snowflake's initialisation at L (its weights do not change the cost)."""
 

@@ -350,8 +350,8 @@ class _FastCpuAmx(Fast):
 
 class FastCpuBf16x3(_FastCpuAmx):
     """The CPU path at PyTorch's "high" float32 matmul precision: every linear through the AMX bf16x3
-    kernel (kernels/cpu_amx.py), forced rather than timed, so that it runs every case here. It meets
-    the fp32 tolerances: logits within 6.4e-5 of the reference's (Intel Xeon with AMX, 2026-12-04)."""
+    kernel (kernels/cpu_amx.py), forced rather than timed, so that it runs every case here. It is held
+    to the fp32 tolerances (about 16 of fp32's 24 significant bits per operand, fp32 sums)."""
 
     name = "fast-cpu-bf16x3"
 

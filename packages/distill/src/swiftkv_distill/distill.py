@@ -170,14 +170,14 @@ def distill_loss(
 
 class _ChunkedKL(torch.autograd.Function):
     """T^2 * mean over the P rows of KL(softmax(teacher / T) || softmax(student / T)), and its gradient
-    with respect to the student's logits, T / P * (softmax(student / T) - softmax(teacher / T)),
-    computed in the same pass, CHUNK_BYTES of rows at a time: each chunk's softmaxes stay in cache
-    where autograd's graph makes a dozen passes over (P, vocab) tensors in memory (about half the time
-    on CPU). The gradient is kept for backward, scaled in the chunk's pass; at T = 1 and without
-    accumulation the divisions and the multiplication by the upstream gradient, exact no-ops, are
-    skipped (bit for bit the same). Under bf16 autocast the logits stay bf16 until their
-    chunk is upcast, and the gradient is kept in bf16 (the fp32 one rounded once, as autocast would cast
-    it for the output projection's backward): no (P, vocab) fp32 copies of either."""
+    with respect to the student's logits, T / P * (softmax(student / T) - softmax(teacher / T)), computed
+    in the same pass, CHUNK_BYTES of rows at a time: each chunk's softmaxes stay in cache where
+    autograd's graph makes a dozen passes over (P, vocab) tensors in memory (about half the time on CPU).
+    The gradient is kept for backward, scaled in the chunk's pass; at T = 1 and without accumulation the
+    divisions and the multiplication by the upstream gradient, exact no-ops, are skipped (bit for bit the
+    same). Under bf16 autocast the logits stay bf16 until their chunk is upcast, and the gradient is kept
+    in bf16 (the fp32 one rounded once, as autocast would cast it for the output projection's backward):
+    no (P, vocab) fp32 copies of either."""
 
     CHUNK_BYTES = 4 << 20
 

@@ -1,13 +1,13 @@
 """The distillation's arithmetic: fp32, or bf16 autocast over fp32 weights, chosen by measurement.
 
 Where bf16 matrix products are native (AVX512-BF16 or AMX on x86, tensor cores on CUDA) they are several
-times as fast as fp32 ones, and a distillation step is mostly matrix products; a CPU without them (AVX2 only)
-converts bf16 in software, where it is not expected to pay. So precision="auto" runs bf16 autocast on
-CUDA, and on CPU times one of the model's decoder layers, forward and backward, both ways, and takes bf16
-only when it is at least BF16_MIN_SPEEDUP times as fast (the casts of the frozen weights and a slower
-bf16 attention eat part of the products' gain). No CPU names or flags are consulted; the choice is
-remembered per process for the model's shapes, so two runs in one process take the same one. bf16
-steps reach the same held-out agreement as fp32 ones (docs/performance.md).
+times as fast as fp32 ones, and a distillation step is mostly matrix products; a CPU without them (AVX2
+only) converts bf16 in software, where it is not expected to pay. So precision="auto" runs bf16 autocast
+on CUDA, and on CPU times one of the model's decoder layers, forward and backward, both ways, and takes
+bf16 only when it is at least BF16_MIN_SPEEDUP times as fast (the casts of the frozen weights and a
+slower bf16 attention eat part of the products' gain). No CPU names or flags are consulted; the choice is
+remembered per process for the model's shapes, so two runs in one process take the same one. bf16 steps
+reach the same held-out agreement as fp32 ones (docs/performance.md).
 
     precision = resolve_precision("auto", model, torch.device("cpu"))   # "fp32" or "bf16"
     with autocast(precision, device):
@@ -57,9 +57,8 @@ def frozen_weights_in_bf16(model: SwiftKVForCausalLM, precision: str, device: to
     final_logits; None otherwise). The arithmetic is bit for bit autocast's, which casts those fp32
     tensors on every use (its cache keeps only tensors that require grad), once per micro-batch and
     forward (`python -m bench distill-step` times both). The copies cost half the frozen weights'
-    bytes (logged), so CUDA (where the casts are cheap next
-    to a step and memory is the limit) keeps autocast's casts. The original fp32 Parameters are put
-    back on exit, whatever happens.
+    bytes (logged), so CUDA (where the casts are cheap next to a step and memory is the limit) keeps
+    autocast's casts. The original fp32 Parameters are put back on exit, whatever happens.
 
         with frozen_weights_in_bf16(model, "bf16", device) as lm_weight:
             logits = final_logits(model, h, lm_weight)

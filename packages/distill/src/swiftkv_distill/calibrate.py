@@ -1,51 +1,39 @@
 """Closed-form calibration of the SwiftKV K/V projections (the first stage of `swiftkv distill`).
 
-For every AcrossKV group leader g, fit k_proj_swiftkv[g] and v_proj_swiftkv[g] by ridge least squares
-from S = norm_swiftkv(h_L) to what the teacher's own layers i of its group (its G members) compute.
+For every AcrossKV group leader g, k_proj_swiftkv[g] and v_proj_swiftkv[g] are ridge least-squares fits
+from S = norm_swiftkv(h_L) to what the teacher's own layers of the group compute. RoPE comes after the
+projection, so fitting pre-RoPE K is exact; a bias (attention_bias models) is fitted, never regularized.
 
-weighting="uniform", a plain fit to the members' own pre-RoPE K and V, every token alike:
+weighting="uniform": every token alike, to the members' own K and V (the mean over the group is the
+exact optimum for one shared projection):
 
     [W_g | b_g] = argmin sum_i sum_t ||W s_t + b - [K_i | V_i]_t||^2 + lam ||W||^2
 
-(the fit to the members' mean K/V, the exact optimum for one projection shared by the group).
+weighting="attention" (the default) fits what the answers depend on. When serving, only answer tokens
+run layers >= L, so only their queries count; each kv head h is fitted on its own:
 
-weighting="attention" (the default) fits what the answers depend on instead. Only the answer tokens
-run layers >= L when the model serves (prompt tokens stop at L), so their queries are the ones that
-count; each kv head h is fitted on its own:
+- keys, weighted: token t's error costs in proportion to the attention the answer queries give it,
+  m_iht = sum over answer queries q and query heads j of h's group of p_ij(q -> t), so no capacity is
+  spent on keys nobody looks at.
+- values, pooled: the attention output o_ij(q) = sum_t p_ij(q -> t) V_it is linear in V, so with
+  V_t = W s_t + b it equals W s_ij(q) + b, s_ij(q) = sum_t p_ij(q -> t) s_t. W is fitted from s_ij(q)
+  to the teacher's o_ij(q): errors that average out in attention cost nothing. The pooled rows are
+  nearly collinear and fit noise on little data, so the per-token V fit is blended in as a prior worth
+  VALUE_PRIOR_QUERIES answer queries, which fades as data grows.
 
-- keys, weighted: token t's K error costs in proportion to the attention it gets, so it is weighted by
-  m_iht = sum over the answer queries q and the query heads j of h's group of p_ij(q -> t). A plain
-  fit spends its capacity evenly on keys nobody looks at and on the attention sinks.
-- values, pooled: the attention output o_ij(q) = sum_t p_ij(q -> t) V_it is linear in V, and with
-  V_t = W s_t + b it is exactly W s_ij(q) + b with s_ij(q) = sum_t p_ij(q -> t) s_t (the probabilities
-  sum to 1). So W is fitted from s_ij(q) to the teacher's own o_ij(q), one row per answer query and
-  query head: errors that average out in the attention cost nothing, and a plain fit of every V_t
-  cannot know which do. The pooled rows are averages, nearly collinear, and with little data they fit
-  noise; so the value fit also counts every token's own V_t (weighted as its key) at weight
-  VALUE_PRIOR_QUERIES / (the number of answer queries), a prior toward the per-token fit worth 4,096
-  queries that fades as the data grows.
+Only fp64 sufficient statistics are kept (S^T W S once for uniform weights, per (leader, kv head) with
+attention weights, and S^T W Y per fit), so memory does not grow with the data; statistics larger than
+the device's memory are refused before any data is read. Worked sizes: 266 MiB for the embedded model
+at L = 15; 34 GiB for Llama-3.1-8B at L = 16, where "uniform" needs 1.2 GiB. The ridge is relative,
+lam = ridge * mean(diag(S^T W S)) over the hidden columns, so repeating the data changes nothing.
 
-RoPE is applied after the projection on both paths, so fitting before RoPE is exact. The bias
-(attention_bias models) is fitted and never regularized. AcrossKV fits worse than G = 1: one key
-must serve G layers' queries.
-
-Only sufficient statistics are kept, in fp64: S^T W S ((hidden+1)^2 with the bias column, else hidden^2)
-once for uniform weights, or per (leader, kv head, K / V) with attention weights, and S^T W Y per fit,
-so memory does not grow with the data. Worked sizes: 266 MiB for the embedded model at L = 15; 34 GiB
-for Llama-3.1-8B at L = 16, where `weighting="uniform"` needs 1.2 GiB. Statistics larger than the
-device's memory are refused before any data is read. The ridge is relative: lam = ridge *
-mean(diag(S^T W S)) over the hidden columns, which leaves the solution unchanged when the data is
-repeated.
-
-Everything calibration does not fit comes from Snowflake's initialisation
-(swiftkv_reference.checkpoint.swiftkv_init): norm_swiftkv = layer L's input_layernorm (S is computed
-with it), q_proj_swiftkv[i] = q_proj[i]; the teacher's tensors are kept unchanged.
+Everything not fitted comes from Snowflake's initialisation (swiftkv_reference.checkpoint.swiftkv_init):
+norm_swiftkv = layer L's input_layernorm (S is computed with it), q_proj_swiftkv[i] = q_proj[i].
 
     config, state = calibrate(teacher, batches, num_key_value_layers=15)   # a full SwiftKV state dict
 
-calibrate is `fit(teacher, collect_statistics(teacher, batches, 15))`: the statistics of disjoint data
-add up (`CalibrationStatistics`), so cross-validation (`python -m bench quality --folds K`) reads the
-data once and fits every fold's complement from sums.
+calibrate is `fit(teacher, collect_statistics(...))`; statistics of disjoint data add up
+(`CalibrationStatistics`), so cross-validation reads the data once and fits each fold's complement.
 """
 
 from __future__ import annotations

@@ -1,43 +1,31 @@
 """CUDA graphs for SwiftKV's second half (layers >= L, the final norm and lm_head): lazy capture per
 batch-size bucket, replay, eager fallback, counters.
 
-In the second half every request has exactly one query token, so a step is a decode-shaped batch
-whatever mix of prefill and decode it came from. Its shapes depend only on the batch size and the
-block-table width, so one graph per batch-size bucket serves every step. Graphs are used for every
-step with sampled tokens, also when L == N (the tail is then the final norm and lm_head), unless
-`graphs_disabled_reason` (the one decision, made at construction) says why not:
-  - ``enforce_eager`` is True,
-  - the device is not CUDA (on CPU the second half is always eager),
-  - the attention backend cannot be captured (``backend.supports_cuda_graph``: triton, flash_attn;
-    not torch, whose decode syncs with the host).
-The K/V of the second-half layers is written eagerly for every scheduled token before (first_half).
-Capture happens at the first ``run`` (the first step with sampled tokens) and is logged with its
-duration; a capture that fails is logged and the second half runs eagerly from then on.
+In the second half every request has exactly one query token, so a step is decode-shaped whatever mix
+it came from, and its shapes depend only on the batch size and the block-table width: one graph per
+batch-size bucket serves every step with sampled tokens (also at L == N, where the tail is the final
+norm and lm_head). `graphs_disabled_reason`, decided once at construction, says why graphs are off:
+``enforce_eager``, a non-CUDA device, or a backend that cannot be captured
+(``backend.supports_cuda_graph``: the torch backend's decode syncs with the host). Capture happens at
+the first ``run`` and is logged; a failed capture is logged and the second half stays eager.
 
-Contract of ``second_half(hidden, positions, seq_lens, block_tables) -> logits``
-    hidden: (B, hidden_size) in ``dtype`` (the residual stream after layer L-1;
-    the model adds residuals in place, so there is no separate residual);
-    positions: (B,) int64; seq_lens: (B,) int32 (context length, query at
-    ``seq_lens[i] - 1``); block_tables: a tuple with one (B, max_blocks) int32
-    table per kvcache group (full attention, sliding window, ...). Returns
-    (B, vocab) logits. It must be capturable: no host syncs (``.item()``,
-    ``.tolist()``, data-dependent shapes), no allocation that outlives the call
-    except its output, and K/V must already be written to the cache. It must
-    tolerate padding rows: ``seq_lens == 0``, block tables all 0 (the null
-    block), position ``pad_position``, hidden zeros; their outputs are dropped
-    (the Triton decode kernel returns zeros for them). Rows must not interact
-    (row-wise ops only), so padding never changes a real row.
+Contract of ``second_half(hidden, positions, seq_lens, block_tables) -> (B, vocab) logits``:
+hidden (B, hidden_size) in ``dtype`` (the residual stream after layer L-1; residuals are added in
+place), positions (B,) int64, seq_lens (B,) int32 (query at ``seq_lens[i] - 1``), one (B, max_blocks)
+int32 block table per kvcache group. It must be capturable: no host syncs (``.item()``, ``.tolist()``,
+data-dependent shapes), no allocation that outlives the call but its output, and the K/V already
+written to the cache (first_half writes every scheduled token's). Padding rows (``seq_lens == 0``,
+null-block tables, position ``pad_position``, zero hidden) must be tolerated, and rows must not
+interact, so padding never changes a real row.
 
-``run(...)`` takes the same arguments for ``n`` real rows and returns ``(n, vocab)`` logits. On a
-graph replay these are a view into ONE fp32 ``(max_batch, vocab)`` buffer that every bucket's graph
-copies its logits into (as the last op of the capture), valid until the next ``run``: sample from
-them (or clone) before the next step. The graphs' own outputs are not kept, so their pool memory is
-shared by every capture: one logits buffer in all, not one per bucket (at 256 sequences and a 128k
-vocabulary, 0.13 GB instead of 1.2 GB). A step runs eagerly on the given tensors when graphs are
-disabled, ``n`` exceeds the largest bucket, or a block table is wider than captured (`_bucket`).
+``run(...)`` returns ``(n, vocab)`` logits for ``n`` real rows. On replay they are a view into ONE
+fp32 ``(max_batch, vocab)`` buffer that every bucket's graph copies into last, valid until the next
+``run``: sample from them (or clone) first. Keeping no graph's own output lets every capture share one
+pool (at 256 sequences and a 128k vocabulary: 0.13 GB instead of 1.2 GB). A step runs eagerly when
+graphs are disabled, ``n`` exceeds the largest bucket, or a block table is wider than captured.
 
-``emulate=True`` replaces capture and replay by direct calls of ``second_half`` on the padded static
-buffers (any device): the bucketing, padding and unpadding are then exercised without CUDA (tests).
+``emulate=True`` replaces capture and replay by direct calls on the padded static buffers (any
+device), so the bucketing, padding and unpadding are tested without CUDA.
 """
 
 from __future__ import annotations

@@ -14,15 +14,14 @@ With `--folds K` the same data is scored by K-fold cross-validation by prompt in
 share: every prompt's answers are held out once, scored by students fitted on the other K - 1 folds
 only (the calibration statistics are collected once per fold and summed for each fit), and the folds'
 results are pooled, with the fold standard error beside the agreement and the KL. One held-out share of
-a few dozen prompts is one draw (the 27 prompts of docs/distill.md scored 0.70 where 10 folds over all
-389 gave 0.705 +- 0.006 on the same amount of data); the folds cost one more evaluation pass over the
+a few dozen prompts is one noisy draw; the folds cost one more evaluation pass over the
 data and K fits (K distillations with --steps), and hold K sets of calibration statistics (266 MiB
 each for the embedded model at L = 15).
 
-The defaults are 256 teacher answers of up to 256 tokens (a quarter of `swiftkv distill`'s, which fits
-about 0.02 higher agreement at L = 15), and every split runs its own calibration pass over that data and
-its own evaluations: tens of minutes on 2 cores (more with --steps). `--num-samples 96 --max-tokens 128`
-is the demo's size."""
+The defaults are 256 teacher answers of up to 256 tokens (a quarter of `swiftkv distill`'s, so the
+agreement is a little below what `swiftkv distill` gives), and every split runs its own calibration pass
+over that data and its own evaluations: tens of minutes on 2 cores (more with --steps). `--num-samples
+96 --max-tokens 128` is the demo's size."""
 
 from __future__ import annotations
 

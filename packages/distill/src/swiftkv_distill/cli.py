@@ -151,9 +151,8 @@ def add_parsers(sub) -> None:
         "--lr",
         type=float,
         default=2e-4,
-        help="distillation learning rate (AdamW, warm-up then cosine decay; Snowflake's). On the embedded "
-        "model at L = 15, 120 steps of 1,024 tokens from the calibrated fit (0.714) reached 0.749 / 0.752 / "
-        "0.745 held-out agreement at lr 2e-4 / 1e-3 / 3e-3",
+        help="distillation learning rate (AdamW, warm-up then cosine decay; Snowflake's default; "
+        "docs/distill.md compares others)",
     )
     t.add_argument(
         "--logits-loss-temp",

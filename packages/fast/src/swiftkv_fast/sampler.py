@@ -36,9 +36,8 @@ def _apply_top_k(x: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
 
 
 # the sorted prefix top-p looks at first, x4 for the rows whose cut lies beyond it, up to the last
-# size before a row is sorted whole: the embedded model's nucleus at temperature 0.7 on chat prompts
-# held 2-3 tokens (median), 37 / 69 (99th percentile) at top_p 0.9 / 0.95; after random-token prompts
-# (the benchmarks') a row's nucleus can hold thousands
+# size before a row is sorted whole: on chat prompts a nucleus holds a few tokens (under 100 at the 99th
+# percentile for top_p 0.95); after random-token prompts (the benchmarks') it can hold thousands
 TOP_P_CANDIDATES = 64
 TOP_P_MAX_CANDIDATES = 1024
 

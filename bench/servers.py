@@ -54,8 +54,8 @@ def swiftkv_spec(name: str, num_key_value_layers: int | None = None, model: str 
 
 def transformers_spec(name: str, model_dir: str | Path, num_blocks: int, max_batch_tokens: int) -> ServerSpec:
     """`transformers serve MODEL_DIR --continuous-batching`, fp32, with a paged cache of `num_blocks`
-    pages of 256 tokens (its automatic size is meant for GPU memory: on CPU the first request waited
-    about 35 s for it). It refuses vLLM's `ignore_eos` (422); a request's `generation_config` with
+    pages of 256 tokens (its automatic size is meant for GPU memory, and on CPU it delays the first
+    request by tens of seconds). It refuses vLLM's `ignore_eos` (422); a request's `generation_config` with
     no EOS token does the same. Its streams always end with the usage (and no [DONE])."""
     argv = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(model_dir)]
     argv += ["--continuous-batching", "--host", "127.0.0.1", "--port", "0", "--dtype", "float32"]

@@ -2,9 +2,10 @@
 
 `register()` (the `vllm.general_plugins` entry point) checks the vLLM version, registers the config
 classes of `llama_swiftkv`, `mistral_swiftkv` and `qwen2_swiftkv` with transformers' `AutoConfig`, and
-their architectures with vLLM's `ModelRegistry` as lazy strings, so loading the plugin imports no model
-code. After that, `vllm serve DIR` and `vllm.LLM(DIR)` load a directory written by `swiftkv convert` or
-`swiftkv distill`, or a Snowflake SwiftKV checkpoint.
+their architectures with vLLM's `ModelRegistry` as lazy strings (loading the plugin imports no model
+code), and refuses prompt logprobs where fast prefill would make them wrong (`guards`). After that,
+`vllm serve DIR` and `vllm.LLM(DIR)` load a directory written by `swiftkv convert` or `swiftkv distill`,
+or a Snowflake SwiftKV checkpoint.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ def register() -> None:
     from vllm import ModelRegistry
 
     from .configs import register_configs
+    from .guards import install_prompt_logprobs_guard
 
     register_configs()
+    install_prompt_logprobs_guard()
     for arch in ARCHITECTURES:
         if arch not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(arch, f"swiftkv_vllm.model:{arch}")

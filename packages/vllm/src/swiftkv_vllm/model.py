@@ -124,24 +124,43 @@ class SwiftKVAttention(nn.Module):
 
     Takes `LlamaAttention`'s constructor arguments, so vLLM's `LlamaDecoderLayer` builds it."""
 
-    def __init__(self, config, hidden_size: int, num_heads: int, num_kv_heads: int,
-                 max_position_embeddings: int = 8192, quant_config=None, bias: bool = False,
-                 bias_o_proj: bool = False, cache_config=None, prefix: str = "", **_: object) -> None:
+    def __init__(
+        self,
+        config,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        max_position_embeddings: int = 8192,
+        quant_config=None,
+        bias: bool = False,
+        bias_o_proj: bool = False,
+        cache_config=None,
+        prefix: str = "",
+        **_: object,
+    ) -> None:
         super().__init__()
         layer_idx = extract_layer_index(prefix)
         head_dim = _head_dim(config)
         self.num_heads = _heads_per_rank(num_heads, "num_attention_heads")
         self.q_proj_swiftkv = ColumnParallelLinear(
-            hidden_size, num_heads * head_dim, bias=bias, quant_config=quant_config,
+            hidden_size,
+            num_heads * head_dim,
+            bias=bias,
+            quant_config=quant_config,
             prefix=f"{prefix}.q_proj_swiftkv",
         )
         self.o_proj = RowParallelLinear(
-            num_heads * head_dim, hidden_size, bias=bias_o_proj, quant_config=quant_config,
+            num_heads * head_dim,
+            hidden_size,
+            bias=bias_o_proj,
+            quant_config=quant_config,
             prefix=f"{prefix}.o_proj",
         )
         self.rotary_emb = get_rope(
-            head_dim, max_position=max_position_embeddings,
-            rope_parameters=config.rope_parameters, is_neox_style=True,
+            head_dim,
+            max_position=max_position_embeddings,
+            rope_parameters=config.rope_parameters,
+            is_neox_style=True,
         )
         window = config.sliding_window if config.layer_types[layer_idx] == "sliding_attention" else None
         model_prefix = prefix.rsplit(".layers.", 1)[0]
@@ -184,8 +203,12 @@ class SwiftKVFirstHalf(nn.Module):
         self.norm_swiftkv = model.norm_swiftkv
         self.cache_owners = model.swiftkv_cache
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         for layer in self.layers:
@@ -250,18 +273,26 @@ class SwiftKVModel(nn.Module):
         from vllm.compilation.backends import set_model_tag
 
         with set_model_tag("swiftkv_first_half"):
-            self.first_half = SwiftKVFirstHalf(vllm_config=vllm_config, prefix=f"{prefix}.first_half", model=self)
+            self.first_half = SwiftKVFirstHalf(
+                vllm_config=vllm_config, prefix=f"{prefix}.first_half", model=self
+            )
         with set_model_tag("swiftkv_second_half"):
-            self.second_half = SwiftKVSecondHalf(vllm_config=vllm_config, prefix=f"{prefix}.second_half", model=self)
+            self.second_half = SwiftKVSecondHalf(
+                vllm_config=vllm_config, prefix=f"{prefix}.second_half", model=self
+            )
         self.fast_prefill = vllm_config.cache_config.kv_sharing_fast_prefill
         self.last_attn_name = self.layers[-1].self_attn.attn.layer_name
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         hidden = self.first_half(input_ids, positions, inputs_embeds)  # (num_tokens, hidden): h_L
         rows = self._rows_needing_logits() if self.fast_prefill else None
         if rows is None:
@@ -308,8 +339,9 @@ class SwiftKVForCausalLM(nn.Module):
         self.config = config
         prefix = f"{prefix}.model" if prefix else "model"
         self.model = SwiftKVModel(vllm_config=vllm_config, prefix=prefix)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=vllm_config.quant_config,
-                                      prefix="lm_head")
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, quant_config=vllm_config.quant_config, prefix="lm_head"
+        )
         if config.tie_word_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config.vocab_size)
@@ -317,9 +349,13 @@ class SwiftKVForCausalLM(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:

@@ -53,8 +53,10 @@ def load_swiftkv_weights(
     """Copy `weights` into `model`; returns the parameter names loaded (vLLM checks none is left)."""
     expected = expected_parameter_shapes(config)
     params = dict(model.named_parameters())
-    where = f"{config.model_type} (N={config.num_hidden_layers}, L={config.num_key_value_layers}, " \
-            f"G={config.key_value_group_size})"
+    where = (
+        f"{config.model_type} (N={config.num_hidden_layers}, L={config.num_key_value_layers}, "
+        f"G={config.key_value_group_size})"
+    )
     seen: set[str] = set()
     loaded: set[str] = set()
     for name, tensor in weights:

@@ -1,0 +1,18 @@
+"""vLLM's CPU build in this process: no engine-core subprocess, a small fixed KV cache space, quiet logs.
+
+Set before vLLM is imported. Every engine is built through `engine()`, which frees it afterwards, so
+one pytest process can build many in a row.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, the same for every engine of a test
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("vllm", reason="vLLM is not installed (the `vllm` nox session installs its CPU build)")

@@ -138,13 +138,14 @@ def fma_peak_gflops(seconds: float = 0.2, repeats: int = 5) -> float | None:
     about `seconds`); None without a C compiler."""
     import ctypes
 
-    from swiftkv_fast.kernels import cpu_compile
+    from swiftkv_fast.kernels import build
 
-    argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-    functions = cpu_compile.load("fma-peak", FMA_SOURCE, {}, {"swiftkv_fma_peak": argtypes})
-    if functions is None:
+    lib = build.library_from_text("fma-peak", FMA_SOURCE)
+    if lib is None:
         return None
-    fn, threads, sink = functions["swiftkv_fma_peak"], torch.get_num_threads(), torch.zeros(1)
+    fn = lib.swiftkv_fma_peak
+    fn.argtypes, fn.restype = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int], ctypes.c_int
+    threads, sink = torch.get_num_threads(), torch.zeros(1)
 
     def rate(iters: int) -> tuple[float, float]:
         start = time.perf_counter()

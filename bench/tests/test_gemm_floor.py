@@ -91,11 +91,11 @@ def test_peak_and_engine_follow_torch_matmul_precision(monkeypatch):
 
 
 def test_fma_peak_is_a_rate_and_none_without_a_compiler(monkeypatch):
-    from swiftkv_fast.kernels import cpu_compile
+    from swiftkv_fast.kernels import build
 
-    if cpu_compile.compiler() is None:
+    if build.compiler() is None:
         pytest.skip("no C compiler")
     assert gemm_floor.fma_peak_gflops(seconds=0.01, repeats=1) > 0
-    monkeypatch.setattr(cpu_compile, "_built", {})
+    monkeypatch.setattr(build, "_built", {})
     monkeypatch.setenv("CC", "false")
     assert gemm_floor.fma_peak_gflops(seconds=0.01, repeats=1) is None

@@ -9,10 +9,10 @@ import pytest
 import torch
 from conftest import scattered_paged_cache
 from swiftkv_fast.attention import TorchBackend
-from swiftkv_fast.kernels import cpu_compile, cpu_decode
+from swiftkv_fast.kernels import build, cpu_decode, native
 
 needs_compiler = pytest.mark.skipif(
-    cpu_decode.compiler() is None or not cpu_decode.enabled(),
+    build.compiler() is None or not cpu_decode.enabled(),
     reason="no C compiler (or SWIFTKV_CPU_DECODE_KERNEL=0): the compiled decode kernel is off",
 )
 
@@ -157,7 +157,8 @@ def test_not_applicable_inputs_fall_back_to_gather():
 
 
 def test_a_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
-    monkeypatch.setattr(cpu_compile, "_built", {})
+    monkeypatch.setattr(build, "_built", {})
+    monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
     q, k, v, lens, tables = paged_case(
         5, num_reqs=2, heads=4, kv_heads=2, dim=8, block_size=4, seq_lens=[5, 7]
@@ -198,11 +199,12 @@ def test_bad_block_tables_raise_before_reading():
 @needs_compiler
 def test_a_compiler_without_openmp_gets_a_one_thread_build(monkeypatch, tmp_path, caplog):
     cc = tmp_path / "cc-without-openmp"
-    cc.write_text(f'#!/bin/sh\ncase "$*" in *-fopenmp*) exit 1;; esac\nexec {cpu_decode.compiler()} "$@"\n')
+    cc.write_text(f'#!/bin/sh\ncase "$*" in *-fopenmp*) exit 1;; esac\nexec {build.compiler()} "$@"\n')
     cc.chmod(0o755)
     monkeypatch.setenv("CC", str(cc))
-    monkeypatch.setattr(cpu_compile, "_built", {})
-    monkeypatch.setattr(cpu_compile, "_openmp", lambda: True)
+    monkeypatch.setattr(build, "_built", {})
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(build, "_openmp", lambda: True)
     q, k, v, lens, tables = paged_case(
         8, num_reqs=2, heads=4, kv_heads=2, dim=8, block_size=4, seq_lens=[5, 7]
     )

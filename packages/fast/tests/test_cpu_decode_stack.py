@@ -11,12 +11,12 @@ import pytest
 import torch
 from conftest import TINY_MODELS, random_prompts
 from swiftkv_fast import LLM, SamplingParams
-from swiftkv_fast.kernels import cpu_compile, cpu_decode_stack, cpu_gemm
+from swiftkv_fast.kernels import build, cpu_decode_stack, cpu_gemm
 from swiftkv_fast.model.decode_stack import layer_linears
 from swiftkv_reference.testing import four_bit_state_dict
 
 pytestmark = pytest.mark.skipif(
-    cpu_compile.compiler() is None or cpu_decode_stack.kernel(16, 2) is None,
+    build.compiler() is None or cpu_decode_stack.kernel(16, 2) is None,
     reason="no C compiler here (the decode stack is a compiled kernel)",
 )
 
@@ -233,7 +233,7 @@ def test_an_engine_built_for_a_lesser_x86_gives_the_same_tokens(tiny, weights, m
     if weights == "q4":
         state = four_bit_state_dict(state)
     prompts = random_prompts(4, cfg.vocab_size, [3, 40, 9, 25], seed=7)
-    runs = _runs_under(monkeypatch, cpu_compile.ISA_SWITCH, ("native", "avx2"), cfg, state, prompts)
+    runs = _runs_under(monkeypatch, build.ISA_SWITCH, ("native", "avx2"), cfg, state, prompts)
     assert runs["avx2"][2].stacks[0].layers[0].qkv.layouts["panel"].rows_per_block == 6
     for native, lesser in zip(runs["native"][0], runs["avx2"][0]):
         assert lesser.outputs[0].token_ids == native.outputs[0].token_ids

@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import at_thread_counts
-from swiftkv_fast.kernels import cpu_compile, cpu_gemm
+from swiftkv_fast.kernels import build, cpu_gemm, native
 from swiftkv_fast.model import linear_kernels as lk
 
 needs_compiler = pytest.mark.skipif(
-    cpu_compile.compiler() is None or not cpu_gemm.enabled(),
+    build.compiler() is None or not cpu_gemm.enabled(),
     reason="no C compiler (or SWIFTKV_CPU_GEMM_KERNEL=0): the panel GEMM is off",
 )
 
@@ -80,7 +80,8 @@ def test_unavailable_kernel_is_dropped_by_the_chooser_with_one_line(why, monkeyp
     if why == "switch":
         monkeypatch.setenv(cpu_gemm.ENV_SWITCH, "0")
     else:
-        monkeypatch.setattr(cpu_compile, "_built", {})
+        monkeypatch.setattr(build, "_built", {})
+        monkeypatch.setattr(native, "_loaded", {})
         monkeypatch.setenv("CC", "false")
     with pytest.raises(RuntimeError, match="panel GEMM kernel is unavailable"):
         cpu_gemm.PanelWeight(torch.randn(8, 4))
@@ -98,19 +99,19 @@ def test_the_kernels_can_be_built_for_a_lesser_x86(monkeypatch):
     """SWIFTKV_CPU_MAX_ISA=avx2 builds the kernels without AVX-512 (the panel GEMM's 6-row blocks of 8
     lanes) and keys the kernel timings apart; a value it does not know is refused by name."""
     w, x = torch.randn(40, 64), torch.randn(17, 64)
-    monkeypatch.setenv(cpu_compile.ISA_SWITCH, "avx2")
+    monkeypatch.setenv(build.ISA_SWITCH, "avx2")
     lesser = cpu_gemm.PanelWeight(w)
     assert lesser.rows_per_block == 6
     torch.testing.assert_close(lesser.linear(x), F.linear(x, w), atol=fp32_atol(x @ w.T), rtol=0)
     lk.machine_key.cache_clear()
     key = lk.machine_key()["isa"]
-    monkeypatch.delenv(cpu_compile.ISA_SWITCH)
+    monkeypatch.delenv(build.ISA_SWITCH)
     lk.machine_key.cache_clear()
     assert key[0] == "avx2" and lk.machine_key()["isa"][0] == "native"
-    monkeypatch.setenv(cpu_compile.ISA_SWITCH, "avx9")
+    monkeypatch.setenv(build.ISA_SWITCH, "avx9")
     with pytest.raises(ValueError, match="SWIFTKV_CPU_MAX_ISA='avx9'"):
-        cpu_compile.max_isa()
-    monkeypatch.delenv(cpu_compile.ISA_SWITCH)
+        build.max_isa()
+    monkeypatch.delenv(build.ISA_SWITCH)
     lk.machine_key.cache_clear()
 
 

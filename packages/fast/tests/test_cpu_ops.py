@@ -9,11 +9,11 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from swiftkv_fast.kernels import cpu_compile, cpu_ops
+from swiftkv_fast.kernels import build, cpu_ops, native
 from swiftkv_fast.model import layers
 
 needs_compiler = pytest.mark.skipif(
-    cpu_compile.compiler() is None or not cpu_ops.enabled(),
+    build.compiler() is None or not cpu_ops.enabled(),
     reason="no C compiler (or SWIFTKV_CPU_OPS_KERNEL=0): the compiled CPU ops are off",
 )
 # small calls run on one thread, large ones on every thread: both sides of PARALLEL_MIN
@@ -75,7 +75,7 @@ def test_rope_position_outside_the_table_raises_and_writes_nothing():
     table = layers.RotaryTable(torch.ones(4), 10, torch.device("cpu"))
     x = torch.randn(3, 2, 8)
     before = x.clone()
-    with pytest.raises(ValueError, match="outside the table of 10"):
+    with pytest.raises(ValueError, match="outside the RoPE table"):
         cpu_ops.rope_(x, torch.tensor([0, 10, 1]), table.cos, table.sin)
     assert torch.equal(x, before)
 
@@ -92,7 +92,8 @@ def test_inputs_the_kernels_do_not_take_are_left_to_torch():
 
 @pytest.mark.parametrize("switch", ["env", "failed-build"])
 def test_layers_fall_back_to_torch_with_one_warning(switch, monkeypatch, caplog):
-    monkeypatch.setattr(cpu_compile, "_built", {})
+    monkeypatch.setattr(build, "_built", {})
+    monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setattr(cpu_ops, "_resolved", [])
     if switch == "env":
         monkeypatch.setenv(cpu_ops.ENV_SWITCH, "0")
@@ -180,7 +181,7 @@ def test_write_kv_into_a_bf16_cache_rounds_as_torch_does():
 def test_write_kv_slot_outside_the_cache_raises_and_writes_nothing():
     kv_cache = torch.zeros(1, 2, 4, 2, 1, 8)
     k = v = torch.ones(2, 1, 1, 8)
-    with pytest.raises(ValueError, match="outside the cache of 8"):
+    with pytest.raises(ValueError, match="slot is outside the cache"):
         cpu_ops.write_kv(kv_cache, k, v, torch.tensor([3, 8]))
     assert not kv_cache.any()
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from conftest import naive_prefill, scattered_paged_cache
 from swiftkv_fast.attention import AttentionMetadata, TorchBackend
-from swiftkv_fast.kernels import cpu_compile, cpu_prefill
+from swiftkv_fast.kernels import build, cpu_prefill, native
 
 needs_compiler = pytest.mark.skipif(
-    cpu_compile.compiler() is None or not cpu_prefill.enabled(),
+    build.compiler() is None or not cpu_prefill.enabled(),
     reason="no C compiler (or SWIFTKV_CPU_PREFILL_KERNEL=0): the compiled prefill kernel is off",
 )
 
@@ -182,7 +182,8 @@ def test_not_applicable_inputs_are_left_to_sdpa():
 
 
 def test_a_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
-    monkeypatch.setattr(cpu_compile, "_built", {})
+    monkeypatch.setattr(build, "_built", {})
+    monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
     q, k, v, cu, lens, tables = prompt_case(
         6, heads=4, kv_heads=2, dim=16, block_size=4, q_lens=[5, 7], kv_lens=[5, 9]

@@ -10,11 +10,11 @@ import logging
 import pytest
 import torch
 from swiftkv_fast import SamplingParams
-from swiftkv_fast.kernels import cpu_compile, cpu_sample
+from swiftkv_fast.kernels import build, cpu_sample
 from swiftkv_fast.sampler import sample
 
 needs_kernel = pytest.mark.skipif(
-    cpu_compile.compiler() is None or not cpu_sample.enabled(),
+    build.compiler() is None or not cpu_sample.enabled(),
     reason="no C compiler (or SWIFTKV_CPU_SAMPLE_KERNEL=0): the sampling kernel is off",
 )
 

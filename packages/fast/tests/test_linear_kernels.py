@@ -394,11 +394,11 @@ def test_a_forced_bf16x3_where_it_cannot_run_falls_back_with_one_log_line(monkey
     assert len(warnings) == 1 and "'bf16x3' failed" in warnings[0] and "unavailable here" in warnings[0]
 
 
-def test_a_changed_panel_kernel_is_timed_afresh(tmp_path, monkeypatch):
-    """The timings cache is keyed by the panel GEMM's source too: timings of an older kernel are not
+def test_a_changed_kernel_source_is_timed_afresh(tmp_path, monkeypatch):
+    """The timings cache is keyed by the C kernels' sources too: timings of an older kernel are not
     reused for a new one."""
     before = lk.cache_file(tmp_path)
-    monkeypatch.setattr(lk.cpu_gemm, "SOURCE", lk.cpu_gemm.SOURCE + "\n/* changed */\n")
+    monkeypatch.setattr(lk.build, "source_digest", lambda: "changed" * 8)
     lk.machine_key.cache_clear()
     try:
         assert lk.cache_file(tmp_path) != before

@@ -10,13 +10,13 @@ import logging
 import pytest
 from conftest import TINY_MODELS, random_prompts
 from swiftkv_fast import LLM, SamplingParams
-from swiftkv_fast.kernels import cpu_compile, cpu_decode_stack
+from swiftkv_fast.kernels import build, cpu_decode_stack
 from swiftkv_fast.model import stack_timing
 from swiftkv_fast.model.linear_kernels import cache_file
 from swiftkv_fast.worker import model_runner
 
 pytestmark = pytest.mark.skipif(
-    cpu_compile.compiler() is None or cpu_decode_stack.kernel(16, 2) is None,
+    build.compiler() is None or cpu_decode_stack.kernel(16, 2) is None,
     reason="no C compiler here (the decode stack is a compiled kernel)",
 )
 

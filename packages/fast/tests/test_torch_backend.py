@@ -8,14 +8,14 @@ import pytest
 import torch
 from conftest import naive_decode, naive_prefill
 from swiftkv_fast.attention import AttentionMetadata, TorchBackend
-from swiftkv_fast.kernels import cpu_compile, cpu_decode, cpu_prefill
+from swiftkv_fast.kernels import build, cpu_decode, cpu_prefill
 
 
 @pytest.fixture(params=["compiled", "gather"])
 def backend(request):
     if request.param == "gather":
         return TorchBackend(compiled_decode=False)
-    if cpu_decode.compiler() is None or not cpu_decode.enabled():
+    if build.compiler() is None or not cpu_decode.enabled():
         pytest.skip("no C compiler (or SWIFTKV_CPU_DECODE_KERNEL=0): the compiled decode kernel is off")
     return TorchBackend()
 
@@ -132,7 +132,7 @@ def test_per_request_prefill_of_chunks_and_windows_matches_naive_attention(monke
 def test_fresh_prompts_of_different_lengths_every_way_match_the_reference(tiny_engine_case, path):
     """One batch of fresh prompts of different lengths, with the per-request or the padded SDPA forced,
     or the compiled prefill kernel: greedy tokens and logits as the reference's."""
-    if path == "compiled" and (cpu_compile.compiler() is None or not cpu_prefill.enabled()):
+    if path == "compiled" and (build.compiler() is None or not cpu_prefill.enabled()):
         pytest.skip("no C compiler (or SWIFTKV_CPU_PREFILL_KERNEL=0): the compiled prefill kernel is off")
     run, expected = tiny_engine_case
     tokens, logits = run(path)

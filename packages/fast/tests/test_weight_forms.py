@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from swiftkv_fast import LLM, SamplingParams
-from swiftkv_fast.kernels import cpu_amx, cpu_compile, cpu_gemm
+from swiftkv_fast.kernels import build, cpu_amx, cpu_gemm
 from swiftkv_fast.kernels.cpu_amx import Bf16x3Weight
 from swiftkv_fast.kernels.cpu_amx_q4 import Q4AmxWeight
 from swiftkv_fast.kernels.weight_forms import (
@@ -98,7 +98,7 @@ def test_the_worked_example_of_the_docstring():
 
 
 pytestmark_kernel = pytest.mark.skipif(
-    cpu_compile.compiler() is None, reason="no C compiler here (the panel GEMM is a compiled kernel)"
+    build.compiler() is None, reason="no C compiler here (the panel GEMM is a compiled kernel)"
 )
 
 
@@ -173,7 +173,7 @@ def test_the_switch_keeps_fp32_panels_and_the_timings_apart(monkeypatch, tmp_pat
     assert chooser._shape_key(w, None) == "float32 32x64"
     monkeypatch.setenv(cpu_gemm.FOUR_BIT_SWITCH, "0")
     assert chooser._form(w) is None
-    if cpu_compile.compiler() is not None:
+    if build.compiler() is not None:
         assert cpu_gemm.PanelWeight(w).format == "fp32"
 
 

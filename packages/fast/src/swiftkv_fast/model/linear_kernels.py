@@ -64,7 +64,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from swiftkv_fast.kernels import cpu_amx, cpu_compile, cpu_gemm
+from swiftkv_fast.kernels import build, cpu_amx, cpu_gemm
 from swiftkv_fast.kernels.cpu_amx import MATMUL_PRECISIONS, Bf16x3Weight
 from swiftkv_fast.kernels.cpu_amx_q4 import Q4AmxWeight
 from swiftkv_fast.kernels.cpu_gemm import PanelWeight
@@ -234,21 +234,20 @@ def _cpuinfo_field(name: str) -> str:
 
 @cache
 def machine_key() -> dict[str, object]:
-    """What kernel timings depend on; a cache file measured under another key is not used. The panel
-    GEMM's source is part of it: a changed kernel is timed afresh."""
+    """What kernel timings depend on; a cache file measured under another key is not used. The C
+    kernels' sources are part of it: a changed kernel is timed afresh."""
     flags = _cpuinfo_field("flags") or _cpuinfo_field("Features")
     libraries = {v: os.environ.get(v, "") for v in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")}
     return {
         "cpu": cpu_model(),
         "cpu_flags": hashlib.sha1(flags.encode()).hexdigest()[:12],
         # the instruction sets in use: the kernels', ATen's, and the libraries' where held back
-        "isa": [cpu_compile.max_isa(), torch.backends.cpu.get_cpu_capability(), libraries],
+        "isa": [build.max_isa(), torch.backends.cpu.get_cpu_capability(), libraries],
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "mkldnn": torch.backends.mkldnn.is_available(),
-        "panel_gemm": hashlib.sha1(cpu_gemm.SOURCE.encode()).hexdigest()[:12],
-        "amx_gemm": hashlib.sha1(cpu_amx.SOURCE.encode()).hexdigest()[:12],
+        "kernels": build.source_digest()[:12],
     }
 
 

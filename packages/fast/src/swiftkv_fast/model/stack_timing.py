@@ -22,7 +22,6 @@ timed again and not cached when another process kept the threads waiting for a c
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -31,7 +30,7 @@ from pathlib import Path
 import torch
 
 from swiftkv_fast.attention.base import AttentionMetadata
-from swiftkv_fast.kernels import cpu_decode_stack
+from swiftkv_fast.kernels import build
 from swiftkv_fast.logger import init_logger
 from swiftkv_fast.model.cpu_contention import ContentionMeter, waited_seconds
 from swiftkv_fast.model.decode_stack import DecodeStack, layer_linears, stack_panel
@@ -60,7 +59,7 @@ def stack_key(stack: DecodeStack, half: str, cold: bool) -> str:
     lw = stack.layers[0]
     shapes = "/".join(f"{lin.out_features}x{lin.in_features}" for lin in layer_linears(lw))
     windows = ",".join(sorted({str(x.window or 0) for x in stack.layers}))
-    source = hashlib.sha1(cpu_decode_stack.SOURCE.encode()).hexdigest()[:12]
+    source = build.source_digest()[:12]
     heads = f"{stack.num_heads}/{stack.num_kv_heads}x{stack.head_dim}"
     panels = {getattr(stack_panel(lin), "format", "-") for x in stack.layers for lin in layer_linears(x)}
     return (

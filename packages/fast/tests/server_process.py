@@ -1,5 +1,7 @@
 """Helpers of the server tests: a tiny checkpoint with a real tokenizer, a real `swiftkv serve`
-subprocess on a free loopback port (killed by the fixture's finalizer), and /metrics parsing.
+subprocess on a free loopback port (killed by the fixture's finalizer), an app served on a free
+loopback port by uvicorn in a thread of the test (which can then reach inside it), and /metrics
+parsing.
 
 Every wait is bounded; a server that dies or never gets ready fails the test with its output."""
 
@@ -11,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -99,6 +102,46 @@ def start_server(request, args: list[str]) -> ServerProcess:
     request.addfinalizer(server.stop)
     server.wait_ready()
     return server
+
+
+@contextmanager
+def serve_in_thread(app):
+    """`app` under uvicorn on a free 127.0.0.1 port, in a thread of this process; -> the base URL.
+    Stopped (and its port closed) when the block ends."""
+    import uvicorn
+    from swiftkv_fast.entrypoints.api_server import bind_socket
+
+    sock = bind_socket("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        for _ in range(READY_TIMEOUT * 100):
+            if server.started or not thread.is_alive():
+                break
+            time.sleep(0.01)
+        assert server.started, "uvicorn did not start"
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(STOP_TIMEOUT)
+        sock.close()
+
+
+def kv_cache_idle(url: str, timeout: float) -> bool:
+    """Whether /metrics shows no running or waiting request and an empty KV cache, polled (the server
+    notices disconnects asynchronously) until `timeout`."""
+    for _ in range(int(timeout * 20)):
+        text = httpx.get(f"{url}/metrics", timeout=timeout).text
+        names = (
+            "swiftkv:num_requests_running",
+            "swiftkv:num_requests_waiting",
+            "swiftkv:kv_cache_usage_perc",
+        )
+        if all(metric(text, name) == 0 for name in names):
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def metric(text: str, name: str, **labels: str) -> float:

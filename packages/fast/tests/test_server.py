@@ -12,7 +12,7 @@ import json
 import httpx
 import openai
 import pytest
-from server_process import metric, save_tiny_checkpoint, start_server
+from server_process import kv_cache_idle, metric, save_tiny_checkpoint, start_server
 from swiftkv_fast import LLM, SamplingParams
 
 KEY = "sk-test-key"
@@ -317,3 +317,17 @@ def test_api_key_guards_v1_routes_only(server, client):
     for route in ("/health", "/version", "/metrics"):
         assert httpx.get(f"{server.url}{route}", timeout=TIMEOUT).status_code == 200, route
     assert httpx.get(f"{server.url}/version", timeout=TIMEOUT).json()["version"]
+
+
+def test_two_authorization_headers_are_refused(server):
+    """An ambiguous credential ("wrong, right" after merging) is a 401, whichever header is right."""
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    for headers in (
+        [("Authorization", "Bearer wrong"), ("Authorization", f"Bearer {KEY}")],
+        [("Authorization", f"Bearer {KEY}"), ("Authorization", f"Bearer {KEY}")],
+    ):
+        r = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=TIMEOUT)
+        assert r.status_code == 401 and "2 Authorization headers" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    assert kv_cache_idle(server.url, TIMEOUT)

@@ -1,12 +1,16 @@
 """Bad input to `swiftkv serve` gets OpenAI's error schema with its status and a message naming the
-field, never a 500, and disturbs nothing: the server then answers a good request, and a stream in
-flight meanwhile is unaffected. Backpressure (--max-waiting: 503 + Retry-After) and /health on a dead
-engine are checked in-process, where the engine can be held deterministically."""
+field, never a 500, and disturbs nothing: the server then answers a good request with its KV cache
+empty after, and a stream in flight meanwhile is unaffected. Hostile bodies too: nested past the
+recursion limit, a 5,000-digit integer, a lone surrogate, a fan-out of 51,200 sequences, a body over
+the size limit (413), a content type other than JSON (415). Backpressure (--max-waiting: 503 +
+Retry-After), /health on a dead engine, /health while a maximal body is tokenized, CORS and a bug's
+500 are checked in-process, where the engine or the tokenizer can be held deterministically."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import threading
 
@@ -14,7 +18,7 @@ import httpx
 import openai
 import pytest
 from conftest import wait_until
-from server_process import save_tiny_checkpoint, start_server
+from server_process import kv_cache_idle, save_tiny_checkpoint, serve_in_thread, start_server
 from swiftkv_fast import LLM
 from swiftkv_fast.cli import main
 
@@ -100,6 +104,18 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": USER, "max_tokens": 1000}, 400, "max_tokens", "maximum context length"),
     ("chat/completions", {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
     ("chat/completions", {"messages": USER, "model": "nope"}, 404, "model", "does not exist"),
+    # hostile bodies: every one a 400, none a 500
+    ("completions", "[" * 5000 + "]" * 5000, 400, None, "nested too deeply"),
+    ("completions", '{"prompt": "hi", "max_tokens": 1' + "0" * 5000 + "}", 400, None, "not valid JSON"),
+    ("completions", '{"prompt": "a\\ud800b"}', 400, "prompt", "prompt: the text is not valid Unicode"),
+    (
+        "chat/completions",
+        '{"messages": [{"role": "user", "content": "\\udfff"}]}',
+        400,
+        "messages",
+        "messages[0].content: the text is not valid Unicode: a lone surrogate U+DFFF at character 0",
+    ),
+    ("completions", {"prompt": ["x"] * 400, "n": 128}, 400, "n", "51200 sequences (400 prompts x n=128)"),
 ]
 
 
@@ -124,6 +140,7 @@ def post(server, route: str, body) -> httpx.Response:
 def assert_good_request_answered(server) -> None:
     r = post(server, "completions", {"prompt": "still here", "max_tokens": 3, "temperature": 0})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    assert kv_cache_idle(server.url, TIMEOUT)
 
 
 @pytest.mark.parametrize("route,body,status,param,message", BAD_REQUESTS)
@@ -134,6 +151,32 @@ def test_bad_request_gets_its_status_and_names_the_field(server, route, body, st
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == "invalid_request_error" and error["param"] == param
     assert message in error["message"], error["message"]
+    assert_good_request_answered(server)
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read_whole(server):
+    """The default limit for max_model_len 64 is the 1 MiB floor; a body that says it is larger is
+    refused by its Content-Length, one sent in chunks (no length) once the bytes pass the limit."""
+    too_big = json.dumps({"prompt": "x" * (1 << 20)})
+    for content in (too_big, (too_big[i : i + 65536].encode() for i in range(0, len(too_big), 65536))):
+        r = httpx.post(
+            f"{server.url}/v1/completions",
+            content=content,
+            headers={"Content-Type": "application/json"},
+            timeout=TIMEOUT,
+        )
+        assert r.status_code == 413, r.text
+        assert "--max-request-body-bytes" in r.json()["error"]["message"]
+        assert_good_request_answered(server)
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_only_json_bodies_are_accepted(server, content_type):
+    """A page on any site can make a browser POST text/plain to localhost without a CORS preflight."""
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    body = json.dumps({"prompt": "hi", "max_tokens": 3})
+    r = httpx.post(f"{server.url}/v1/completions", content=body, headers=headers, timeout=TIMEOUT)
+    assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
     assert_good_request_answered(server)
 
 
@@ -178,6 +221,8 @@ def test_serve_flag_errors_are_one_line(capsys):
     assert err.startswith("swiftkv: error: ") and f"cannot listen on 127.0.0.1:{port}" in err
     assert main(["serve", "--port", "70000"]) == 2 and "--port" in capsys.readouterr().err
     assert main(["serve", "--max-waiting", "0"]) == 2 and "max_waiting" in capsys.readouterr().err
+    assert main(["serve", "--max-sequences-per-request", "0"]) == 2
+    assert "max_sequences_per_request" in capsys.readouterr().err
 
 
 # ---- in-process: the app over an engine whose steps the test holds ---------------------------------
@@ -185,7 +230,8 @@ def test_serve_flag_errors_are_one_line(capsys):
 
 @pytest.fixture
 def app_engine(tiny):
-    """(build(max_waiting) -> httpx.AsyncClient over the app, the AsyncLLM), engine stopped at the end."""
+    """(build(**ServerConfig fields) -> httpx.AsyncClient over the app, the AsyncLLM), engine stopped at
+    the end; `build.app(**fields)` is the app alone."""
     from char_tokenizer import CharTokenizer
     from swiftkv_fast.engine.async_llm import AsyncLLM
     from swiftkv_fast.entrypoints.api_server import build_app
@@ -197,12 +243,15 @@ def app_engine(tiny):
     )
     engine = AsyncLLM(llm.llm_engine)
 
-    def client(max_waiting: int | None = None) -> httpx.AsyncClient:
-        app = build_app(engine, ServerConfig(["tiny"], max_waiting=max_waiting))
+    def app(**config):
+        return build_app(engine, ServerConfig(["tiny"], **config))
+
+    def client(**config) -> httpx.AsyncClient:
         return httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://app", timeout=TIMEOUT
+            transport=httpx.ASGITransport(app=app(**config)), base_url="http://app", timeout=TIMEOUT
         )
 
+    client.app = app
     yield client, engine
     engine.shutdown(timeout=TIMEOUT)
 
@@ -267,3 +316,134 @@ def test_health_is_503_once_the_engine_is_dead(app_engine, monkeypatch):
     assert failed.status_code == 503 and failed.json()["error"]["code"] == "engine_dead"
     assert health.status_code == 503 and engine.errored
     assert refused.status_code == 503 and "not running" in refused.json()["error"]["message"]
+
+
+def test_max_waiting_counts_sequences(app_engine, monkeypatch):
+    """One request runs (held in its step) and one waits; with --max-waiting 3 a request of n=3 would
+    make 4 waiting sequences: refused; one of n=2 makes 3: served."""
+    make_client, engine = app_engine
+    entered, release = threading.Event(), threading.Event()
+    runner = engine.engine.runner
+    real_execute = runner.execute
+
+    def held_execute(out):
+        entered.set()
+        assert release.wait(TIMEOUT)
+        return real_execute(out)
+
+    monkeypatch.setattr(runner, "execute", held_execute)
+    body = {"prompt": "abc", "max_tokens": 4, "temperature": 0}
+
+    async def main():
+        async with make_client(max_waiting=3) as client:
+            first = asyncio.ensure_future(client.post("/v1/completions", json=body))
+            await wait_until(TIMEOUT, entered.is_set)
+            queued = asyncio.ensure_future(client.post("/v1/completions", json=body))
+            await wait_until(TIMEOUT, lambda: engine.num_waiting == 1)
+            refused = await client.post("/v1/completions", json=body | {"n": 3})
+            admitted = asyncio.ensure_future(client.post("/v1/completions", json=body | {"n": 2}))
+            await wait_until(TIMEOUT, lambda: engine.num_waiting == 3)
+            release.set()
+            return refused, await asyncio.gather(first, queued, admitted)
+
+    refused, served = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
+    assert refused.status_code == 503 and "1 sequence(s) waiting" in refused.json()["error"]["message"]
+    assert [r.status_code for r in served] == [200, 200, 200] and len(served[2].json()["choices"]) == 2
+    assert engine.num_unfinished == 0
+
+
+class HeldTokenizer:
+    """The test's tokenizer, which holds a long text until released (or TIMEOUT: a server that
+    tokenizes on its event loop cannot answer anything meanwhile)."""
+
+    def __init__(self, tokenizer, min_len: int):
+        self.tokenizer, self.min_len = tokenizer, min_len
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, text: str) -> dict:
+        if len(text) >= self.min_len:
+            self.entered.set()
+            self.release.wait(TIMEOUT)
+        return self.tokenizer(text)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_health_is_answered_while_a_maximal_body_is_tokenized(app_engine, monkeypatch):
+    """A body at the size limit is tokenized off the event loop: /health is answered while the
+    tokenizer holds it, so its answer arrives before the big request's (its 400: longer than
+    max_model_len). Then a good request is served and the engine is idle."""
+    make_client, engine = app_engine
+    limit = 1 << 20
+    held = HeldTokenizer(engine.engine.tokenizer, min_len=limit // 2)
+    monkeypatch.setattr(engine.engine, "tokenizer", held)
+    big = json.dumps({"prompt": "a" * (limit - 100), "max_tokens": 1})
+    assert len(big) <= limit
+    order = []
+
+    def post_big(url):
+        r = httpx.post(
+            f"{url}/v1/completions",
+            content=big,
+            headers={"Content-Type": "application/json"},
+            timeout=TIMEOUT,
+        )
+        order.append(("big", r.status_code))
+
+    with serve_in_thread(make_client.app(max_request_body_bytes=limit)) as url:
+        sender = threading.Thread(target=post_big, args=(url,))
+        sender.start()
+        assert held.entered.wait(TIMEOUT)
+        order.append(("health", httpx.get(f"{url}/health", timeout=TIMEOUT).status_code))
+        held.release.set()
+        sender.join(TIMEOUT)
+        good = httpx.post(f"{url}/v1/completions", json={"prompt": "ok", "max_tokens": 2}, timeout=TIMEOUT)
+    assert order == [("health", 200), ("big", 400)]
+    assert good.status_code == 200 and engine.num_unfinished == 0
+
+
+def test_a_bug_is_a_500_with_an_id_and_no_exception_text(app_engine, monkeypatch):
+    from swiftkv_fast.entrypoints.serving_completion import OpenAIServingCompletion
+
+    make_client, engine = app_engine
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("swiftkv_fast").addHandler(handler)
+
+    def broken(self, request):
+        raise RuntimeError("a secret path /etc/shadow")
+
+    try:
+        with serve_in_thread(make_client.app()) as url:
+            monkeypatch.setattr(OpenAIServingCompletion, "prepare", broken)
+            r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}, timeout=TIMEOUT)
+            monkeypatch.undo()
+            good = httpx.post(
+                f"{url}/v1/completions", json={"prompt": "ok", "max_tokens": 2}, timeout=TIMEOUT
+            )
+    finally:
+        logging.getLogger("swiftkv_fast").removeHandler(handler)
+    assert r.status_code == 500 and "secret" not in r.text
+    error = r.json()["error"]
+    assert error["type"] == "server_error" and error["message"].startswith("internal server error (id ")
+    error_id = error["message"].split()[4].rstrip(":")
+    (logged,) = [rec for rec in records if error_id in rec.getMessage()]
+    assert logged.exc_info[0] is RuntimeError  # the traceback is in the log, under the same id
+    assert good.status_code == 200 and engine.num_unfinished == 0
+
+
+def test_cors_headers_only_for_allowed_origins(app_engine):
+    make_client, _ = app_engine
+    preflight = {"Origin": "https://ok.example", "Access-Control-Request-Method": "POST"}
+    with serve_in_thread(make_client.app()) as url:
+        off = httpx.options(f"{url}/v1/completions", headers=preflight, timeout=TIMEOUT)
+    with serve_in_thread(make_client.app(allowed_origins=["https://ok.example"])) as url:
+        on = httpx.options(f"{url}/v1/completions", headers=preflight, timeout=TIMEOUT)
+        other = httpx.options(
+            f"{url}/v1/completions", headers=preflight | {"Origin": "https://evil.example"}, timeout=TIMEOUT
+        )
+    assert "access-control-allow-origin" not in off.headers
+    assert on.status_code == 200 and on.headers["access-control-allow-origin"] == "https://ok.example"
+    assert "access-control-allow-origin" not in other.headers

@@ -172,6 +172,12 @@ def _engine_kwargs(args) -> dict:
 
 
 def _add_serve(sub) -> None:
+    from swiftkv_fast.entrypoints.limits import (
+        BODY_BYTES_PER_TOKEN,
+        MAX_SEQUENCES_PER_REQUEST,
+        MIN_BODY_BYTES,
+    )
+
     p = sub.add_parser(
         "serve",
         help="serve a model over HTTP with OpenAI's API (completions, chat completions, streaming)",
@@ -206,8 +212,35 @@ def _add_serve(sub) -> None:
         "--max-waiting",
         type=int,
         default=None,
-        help="backpressure: while this many requests wait to start, a new one gets 503 with Retry-After; "
-        "None: no limit",
+        help="backpressure: counted in sequences (prompts x n); a request that would take the sequences "
+        "waiting to start past this gets 503 with Retry-After (unless none waits); None: no limit",
+    )
+    s.add_argument(
+        "--max-sequences-per-request",
+        type=int,
+        default=MAX_SEQUENCES_PER_REQUEST,
+        help="the most sequences (prompts x n) one request may ask for; more is a 400",
+    )
+    s.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=None,
+        help="a larger request body gets 413 before it is read whole; None: room for a prompt of "
+        f"max_model_len tokens ({BODY_BYTES_PER_TOKEN} bytes a token, at least {MIN_BODY_BYTES})",
+    )
+    s.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=None,
+        metavar="ORIGIN",
+        help="origins (https://example.com, or *) whose web pages may call the API (CORS); None: no CORS "
+        "headers, so browsers keep other sites' pages from reading answers",
+    )
+    s.add_argument(
+        "--keep-alive-on-engine-death",
+        action="store_true",
+        help="when the engine dies, keep serving 503s instead of exiting with status 3 (vLLM's "
+        "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH)",
     )
     s.add_argument(
         "--served-model-name",
@@ -317,7 +350,7 @@ def _generate(args) -> None:
     )
 
 
-def _serve(args) -> None:
+def _serve(args) -> int:
     if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
         raise ValueError(
             "'swiftkv serve' needs the serve extra: pip install 'swiftkv-fast[serve]' "
@@ -329,7 +362,7 @@ def _serve(args) -> None:
         args.api_key = os.environ.get("SWIFTKV_API_KEY") or None
     from swiftkv_fast.entrypoints.api_server import run_server
 
-    run_server(args, _engine_kwargs(args))
+    return run_server(args, _engine_kwargs(args))
 
 
 def _convert(args) -> None:
@@ -388,14 +421,14 @@ def main(argv: list[str] | None = None) -> int:
         return training_main(argv)
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
+        status = args.func(args)  # None, or serve's exit status
     except USER_ERRORS as e:
         print(f"swiftkv: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("swiftkv: interrupted", file=sys.stderr)
         return 130
-    return 0
+    return status or 0
 
 
 def _one_line(e: BaseException) -> str:

@@ -10,14 +10,17 @@ each request gets an async stream of what is new (token ids, text, logprobs) aft
   an abort takes effect before the next step: the request leaves the scheduler and its KV blocks are
   freed, and the other requests are untouched. A `generate` that is closed or cancelled before its
   request finished (a client that disconnected) aborts it.
-- The thread sleeps on a condition when there is no work, and wakes up on the next add or abort.
+- The thread sleeps on a condition when there is no work, and wakes up on the next add or abort, or
+  when a tensor-parallel worker dies (the executor's monitor calls back): an idle engine whose rank
+  died turns unhealthy at once.
 - Outputs reach each request's asyncio loop with `loop.call_soon_threadsafe`, one call per loop per
   step. Text is detokenized incrementally on the engine thread (engine.detokenizer): never half a
   UTF-8 character, never a prefix of a stop string; the deltas add up to `LLM.generate`'s text.
 - A step that raises aborts exactly the requests it ran (`LLMEngine.step`): their streams raise
   `RequestFailedError` and the engine goes on with the others. Anything else that stops the thread
   marks the engine dead: `errored` / `is_healthy` say so, every stream raises `EngineDeadError`, and
-  new requests are refused with it.
+  new requests are refused with it. `stop(reason)` (a server shutting down) ends it the same way,
+  with `reason` as the error and `errored` False.
 """
 
 from __future__ import annotations
@@ -107,9 +110,11 @@ class AsyncLLM:
         self._inbox: list[tuple] = []  # ("add", state) | ("abort", request_id, (loop, future) | None)
         self._states: dict[str, _RequestState] = {}  # unfinished requests
         self._shutdown = False
+        self._stop_reason = "the engine was shut down"
         self._logger_failed = False
         self._thread = threading.Thread(target=self._run_engine_loop, name="swiftkv-engine", daemon=True)
         self._thread.start()
+        engine.register_failure_callback(self._wake)
 
     # ---- what the server reads -------------------------------------------------------------------
 
@@ -219,13 +224,24 @@ class AsyncLLM:
         if self._shutdown:
             raise EngineDeadError("the engine is shutting down")
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the engine thread after its current step; unfinished requests get EngineDeadError."""
+    def stop(self, reason: str = "the engine was shut down") -> None:
+        """Ask the engine thread to stop after its current step and return at once; every unfinished
+        request's stream then raises EngineDeadError(reason)."""
         with self._cond:
-            self._shutdown = True
+            if not self._shutdown:
+                self._shutdown, self._stop_reason = True, reason
             self._cond.notify()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread after its current step (unfinished requests get EngineDeadError),
+        wait for it, and stop the engine's workers."""
+        self.stop()
         self._thread.join(timeout)
         self.engine.shutdown()
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
 
     # ---- the engine thread -------------------------------------------------------------------------
 
@@ -233,7 +249,12 @@ class AsyncLLM:
         try:
             while True:
                 with self._cond:
-                    while not (self._inbox or self._shutdown or self.engine.has_unfinished_requests()):
+                    while not (
+                        self._inbox
+                        or self._shutdown
+                        or self.engine.has_unfinished_requests()
+                        or self.engine.dead_error is not None
+                    ):
                         self._cond.wait()
                     if self._shutdown:
                         break
@@ -247,11 +268,14 @@ class AsyncLLM:
                 self._deliver(outputs)
                 if self.engine.dead_error is not None:  # a tensor-parallel rank died: no step can run
                     raise self.engine.dead_error
-        except BaseException as e:  # a bug in the loop itself: the engine cannot go on
-            logger.exception("the engine loop died")
+        except BaseException as e:  # a rank died, or a bug in the loop itself: the engine cannot go on
+            if e is self.engine.dead_error:  # the executor logged why
+                logger.error("the engine loop stops: %s", e)
+            else:
+                logger.exception("the engine loop died")
             self._die(e, errored=True)
             return
-        self._die(EngineDeadError("the engine was shut down"), errored=False)
+        self._die(EngineDeadError(self._stop_reason), errored=False)
 
     def _handle_ops(self, ops: list[tuple], iteration: IterationStats) -> list:
         outputs = []

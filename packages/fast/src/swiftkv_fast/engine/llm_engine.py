@@ -99,6 +99,11 @@ class LLMEngine:
         """Why the engine cannot run another step (a tensor-parallel rank died); None while it can."""
         return self.executor.dead_error
 
+    def register_failure_callback(self, callback) -> None:
+        """`callback()` is called from another thread once a tensor-parallel worker dies, even while no
+        step runs (then `dead_error` is set)."""
+        self.executor.register_failure_callback(callback)
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (idempotent; also done when the engine is collected)."""
         self.executor.shutdown()

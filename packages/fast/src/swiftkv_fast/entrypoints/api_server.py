@@ -7,29 +7,41 @@ Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (with --
 route needs "Authorization: Bearer KEY"), GET /health (200, or 503 once the engine is dead),
 GET /version, GET /metrics (Prometheus text, see entrypoints.metrics). docs/serving.md has examples.
 
+Requests are guarded before any work (middleware.py, request_body.py): a body over
+--max-request-body-bytes is a 413, a content type other than application/json a 415, anything that
+is not a valid request a 400; CORS headers only for --allowed-origins. A bug is a 500 naming an id
+that the log's traceback carries.
+
 `build_app(engine, config, registry)` is the app alone (tests drive it in-process); `run_server(args)`
 binds the socket first (a port in use fails before the model loads), loads the model, then serves
-until SIGINT / SIGTERM and stops the engine thread.
+until SIGINT / SIGTERM or the engine's death (launcher.py: the exit status) and stops the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import secrets
 import socket
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from swiftkv_fast import __version__
 from swiftkv_fast.engine.async_llm import AsyncLLM
-from swiftkv_fast.entrypoints.errors import APIError, bad_request
+from swiftkv_fast.entrypoints.errors import APIError
+from swiftkv_fast.entrypoints.limits import default_max_request_body_bytes
+from swiftkv_fast.entrypoints.middleware import (
+    APIKeyMiddleware,
+    InternalErrorMiddleware,
+    RequestBodyLimitMiddleware,
+)
 from swiftkv_fast.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from swiftkv_fast.entrypoints.request_body import parse_body
 from swiftkv_fast.entrypoints.serving_chat import OpenAIServingChat
 from swiftkv_fast.entrypoints.serving_completion import OpenAIServingCompletion
 from swiftkv_fast.entrypoints.serving_engine import ServerConfig
@@ -39,56 +51,23 @@ from swiftkv_fast.logger import init_logger
 logger = init_logger(__name__)
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
-# what pydantic puts in an error's location for the member of a union that failed
-_UNION_TAGS = {"str", "int", "float", "bool"}
-
-
-class APIKeyMiddleware:
-    """401 for a /v1 request without "Authorization: Bearer KEY" (a pure ASGI middleware: it does
-    not wrap streaming responses)."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                error = APIError(
-                    "invalid or missing API key (Authorization: Bearer KEY)", 401, code="invalid_api_key"
-                )
-                await error.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-async def parse_body(raw_request: Request, model: type[BaseModel]):
-    """The JSON body as `model`; a 400 naming the field for anything wrong."""
-    try:
-        body = json.loads(await raw_request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(f"the request body is not valid JSON: {e}", 400) from None
-    if not isinstance(body, dict):
-        raise APIError(f"the request body must be a JSON object, got {type(body).__name__}", 400)
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = [p for p in err["loc"] if isinstance(p, int) or (p.isidentifier() and p not in _UNION_TAGS)]
-        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
-        message = "this field is required" if err["type"] == "missing" else err["msg"]
-        raise bad_request(
-            message.removeprefix("Value error, "), str(loc[0]) if loc else None, where
-        ) from None
 
 
 def build_app(engine: AsyncLLM, config: ServerConfig, registry: CollectorRegistry | None = None) -> FastAPI:
     app = FastAPI(title="SwiftKV", version=__version__)
-    completions = OpenAIServingCompletion(engine, config)
-    chat = OpenAIServingChat(engine, config)
+    tokenizer_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swiftkv-tokenizer")
+    completions = OpenAIServingCompletion(engine, config, tokenizer_executor)
+    chat = OpenAIServingChat(engine, config, tokenizer_executor)
+    # the last added runs first: CORS (preflights), the body limit, the key, then bugs -> 500
+    app.add_middleware(InternalErrorMiddleware)
     if config.api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    max_body = config.max_request_body_bytes or default_max_request_body_bytes(engine.max_model_len)
+    app.add_middleware(RequestBodyLimitMiddleware, max_bytes=max_body)
+    if config.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["*"], allow_headers=["*"]
+        )
 
     @app.exception_handler(APIError)
     async def _api_error(_request, e: APIError):
@@ -102,11 +81,6 @@ def build_app(engine: AsyncLLM, config: ServerConfig, registry: CollectorRegistr
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request, e: RequestValidationError):
         return APIError(str(e), 400).response()
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_request, e: Exception):
-        logger.exception("internal error")
-        return APIError(f"internal server error: {type(e).__name__}: {e}", 500).response()
 
     @app.get("/health")
     async def health():
@@ -169,18 +143,27 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_server(args, engine_kwargs: dict) -> None:
-    """`swiftkv serve`: args has model, host, port, api_key, max_waiting, served_model_name,
-    uvicorn_log_level; engine_kwargs go to `LLM`."""
+def run_server(args, engine_kwargs: dict) -> int:
+    """`swiftkv serve`: args has model, host, port, api_key, max_waiting, max_sequences_per_request,
+    max_request_body_bytes, allowed_origins, keep_alive_on_engine_death, served_model_name,
+    uvicorn_log_level; engine_kwargs go to `LLM`. -> the exit status (launcher.py)."""
     import prometheus_client
-    import uvicorn
 
+    from swiftkv_fast.entrypoints.launcher import exit_signals_consumed, serve_http
     from swiftkv_fast.entrypoints.metrics import PrometheusStatLogger, make_registry
     from swiftkv_fast.llm import LLM
 
     prometheus_client.disable_created_metrics()  # no *_created series (vLLM does the same)
     names = args.served_model_name or [args.model or EMBEDDED_MODEL_NAME]
-    config = ServerConfig(names, model_root=args.model, api_key=args.api_key, max_waiting=args.max_waiting)
+    config = ServerConfig(
+        names,
+        model_root=args.model,
+        api_key=args.api_key,
+        max_waiting=args.max_waiting,
+        max_sequences_per_request=args.max_sequences_per_request,
+        max_request_body_bytes=args.max_request_body_bytes,
+        allowed_origins=args.allowed_origins or [],
+    )
     sock = bind_socket(args.host, args.port)
     try:
         llm = LLM(args.model, **engine_kwargs)
@@ -191,10 +174,10 @@ def run_server(args, engine_kwargs: dict) -> None:
             host, port = sock.getsockname()[:2]
             url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
             logger.info("serving %s on %s (OpenAI API under /v1; Ctrl-C stops)", names[0], url)
-            server = uvicorn.Server(
-                uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
-            )
-            asyncio.run(server.serve(sockets=[sock]))
+            with exit_signals_consumed():
+                return asyncio.run(
+                    serve_http(app, sock, engine, args.uvicorn_log_level, args.keep_alive_on_engine_death)
+                )
         finally:
             engine.shutdown()
     finally:

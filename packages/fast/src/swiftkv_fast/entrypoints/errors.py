@@ -2,16 +2,22 @@
 
 Bad input is a 400 `invalid_request_error` whose `param` names the field (and whose message starts
 with it); an unknown model a 404 `model_not_found`; a missing or wrong API key a 401; an overloaded
-or dead engine a 503 (`Retry-After` when retrying can help); anything else a 500 `server_error`.
+or dead engine a 503 (`Retry-After` when retrying can help); a bug a 500 `server_error` whose body
+says only "internal server error" and an id, the traceback being logged under that id
+(`internal_error`): the exception's text may hold what a client must not see.
 """
 
 from __future__ import annotations
 
 import re
+import uuid
 
 from starlette.responses import JSONResponse
 
 from swiftkv_fast.entrypoints.protocol import ErrorInfo, ErrorResponse
+from swiftkv_fast.logger import init_logger
+
+logger = init_logger(__name__)
 
 # what SamplingParams and swiftkv_fast.inputs put before the field a message is about
 _PREFIX = re.compile(r"^(?:request \d+: )?(sampling_params\.)?")
@@ -62,3 +68,11 @@ def from_input_error(e: Exception, param: str | None = None, where: str | None =
         return bad_request(message, param, where)
     name = _FIELD.match(message)
     return APIError(message, 400, param=name.group(0) if name else None)
+
+
+def internal_error(e: BaseException, where: str) -> APIError:
+    """A 500 for a bug: `e`'s traceback is logged under a fresh id, which the answer names instead
+    of the exception's text. `where` says what failed (a route)."""
+    error_id = uuid.uuid4().hex[:16]
+    logger.error("internal server error %s in %s", error_id, where, exc_info=e)
+    return APIError(f"internal server error (id {error_id}: the server log has the details)", 500)

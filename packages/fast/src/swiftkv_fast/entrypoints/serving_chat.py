@@ -34,6 +34,7 @@ class OpenAIServingChat(OpenAIServing):
         """Every check; -> (model name, [(None, prompt ids)], params per choice, top logprobs or None)."""
         model = self.check_model(request.model)
         self.check_request(request)
+        self.check_num_sequences(1, request.n)
         if request.tools:
             raise bad_request("tools are not supported by this server", "tools")
         if request.tool_choice not in (None, "none"):
@@ -96,9 +97,10 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request(f"applying the chat template failed: {e}", "messages") from None
 
     async def create_chat_completion(self, request: ChatCompletionRequest):
-        """A ChatCompletionResponse, or an async iterator of SSE strings when `request.stream`."""
-        model, prompts, params, num_logprobs = self.prepare(request)
-        self.check_capacity()
+        """A ChatCompletionResponse, or an async iterator of SSE strings when `request.stream`. Prepared
+        (templated, tokenized) on the tokenizer thread."""
+        model, prompts, params, num_logprobs = await self.run_blocking(self.prepare, request)
+        self.check_capacity(len(params))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         as_ids = bool(request.return_tokens_as_token_ids)
@@ -108,7 +110,7 @@ class OpenAIServingChat(OpenAIServing):
             return self._stream(
                 outputs, request_id, created, model, len(params), num_logprobs, as_ids, include_usage
             )
-        choices = await self.collect(outputs, len(params))
+        choices = await self.collect(request_id, outputs, len(params))
         return ChatCompletionResponse(
             id=request_id,
             created=created,
@@ -173,6 +175,7 @@ class OpenAIServingChat(OpenAIServing):
             for i in range(n)
         ]
         return self.stream(
+            request_id,
             outputs,
             n,
             n,

@@ -42,6 +42,7 @@ class OpenAIServingCompletion(OpenAIServing):
         max_tokens = 16 if request.max_tokens is None else request.max_tokens
         params = self.sampling_params(request, max_tokens, request.logprobs)
         prompts = _prompt_list(request.prompt)
+        self.check_num_sequences(len(prompts), request.n)
         checked = []
         for i, prompt in enumerate(prompts):
             where = f"prompt[{i}]" if len(prompts) > 1 else "prompt"
@@ -51,9 +52,10 @@ class OpenAIServingCompletion(OpenAIServing):
         return model, checked, self.child_params(params, request.n)
 
     async def create_completion(self, request: CompletionRequest):
-        """A CompletionResponse, or an async iterator of SSE strings when `request.stream`."""
-        model, prompts, params = self.prepare(request)
-        self.check_capacity()
+        """A CompletionResponse, or an async iterator of SSE strings when `request.stream`. Prepared
+        (tokenized) on the tokenizer thread."""
+        model, prompts, params = await self.run_blocking(self.prepare, request)
+        self.check_capacity(len(prompts) * len(params))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         as_ids = bool(request.return_tokens_as_token_ids)
@@ -72,7 +74,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 as_ids,
                 include_usage,
             )
-        choices = await self.collect(outputs, len(prompts) * len(params))
+        choices = await self.collect(request_id, outputs, len(prompts) * len(params))
         return CompletionResponse(
             id=request_id,
             created=created,
@@ -124,6 +126,7 @@ class OpenAIServingCompletion(OpenAIServing):
             )
 
         return self.stream(
+            request_id,
             outputs,
             num_choices,
             n,

@@ -3,18 +3,26 @@ model check, backpressure, sampling parameters from a request, prompt checks, th
 one HTTP request (n choices per prompt) and what their outputs add up to.
 
 Every check runs before the first engine request is added: a bad HTTP request changes nothing.
+Admission counts sequences (engine requests: prompts x n), not HTTP requests: one request may ask for
+at most `max_sequences_per_request`, and `max_waiting` bounds the sequences waiting. Preparing a
+request (tokenization, the chat template) runs on one tokenizer thread (`run_blocking`, vLLM's
+tokenizer executor: HF tokenizers must not be called from two threads at once), so a large prompt
+never holds up the event loop, /health or other clients' streams.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Executor
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from swiftkv_fast.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
-from swiftkv_fast.entrypoints.errors import APIError, bad_request, from_input_error
+from swiftkv_fast.entrypoints.errors import APIError, bad_request, from_input_error, internal_error
+from swiftkv_fast.entrypoints.limits import MAX_N, MAX_SEQUENCES_PER_REQUEST
 from swiftkv_fast.entrypoints.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
 from swiftkv_fast.entrypoints.utils import merge_async_iterators
 from swiftkv_fast.logger import init_logger
@@ -23,7 +31,6 @@ from swiftkv_fast.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
 
-MAX_N = 128  # choices per prompt (OpenAI's limit)
 MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's chat limit, vLLM's default max_logprobs)
 RETRY_AFTER_S = 1  # the Retry-After of an overloaded server's 503
 MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM's clamp)
@@ -36,19 +43,32 @@ class ServerConfig:
     served_model_names: list[str]  # the first is the one responses report when a request names none
     model_root: str | None = None  # the checkpoint, as /v1/models reports it
     api_key: str | None = None  # required as "Authorization: Bearer KEY" on every /v1 route
-    max_waiting: int | None = None  # refuse (503) while this many requests wait; None: never
+    max_waiting: int | None = None  # refuse (503) while this many sequences wait; None: never
+    max_sequences_per_request: int = MAX_SEQUENCES_PER_REQUEST  # prompts x n of one request
+    max_request_body_bytes: int | None = None  # 413 above; None: default_max_request_body_bytes
+    allowed_origins: list[str] = field(default_factory=list)  # CORS; empty: no CORS headers at all
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(isinstance(n, str) and n for n in self.served_model_names):
             raise ValueError(f"served_model_names must be non-empty strings, got {self.served_model_names!r}")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("api_key must be a non-empty string or None")
-        if self.max_waiting is not None and (
-            isinstance(self.max_waiting, bool)
-            or not isinstance(self.max_waiting, int)
-            or self.max_waiting < 1
-        ):
+        if self.max_waiting is not None and not _is_positive_int(self.max_waiting):
             raise ValueError(f"max_waiting must be None or an int >= 1, got {self.max_waiting!r}")
+        if not _is_positive_int(self.max_sequences_per_request):
+            raise ValueError(
+                f"max_sequences_per_request must be an int >= 1, got {self.max_sequences_per_request!r}"
+            )
+        if self.max_request_body_bytes is not None and not _is_positive_int(self.max_request_body_bytes):
+            raise ValueError(
+                f"max_request_body_bytes must be None or an int >= 1, got {self.max_request_body_bytes!r}"
+            )
+        if not all(isinstance(o, str) and o for o in self.allowed_origins):
+            raise ValueError(f"allowed_origins must be non-empty strings, got {self.allowed_origins!r}")
+
+
+def _is_positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 @dataclass
@@ -73,10 +93,15 @@ class Choice:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, config: ServerConfig):
+    def __init__(self, engine: AsyncLLM, config: ServerConfig, tokenizer_executor: Executor | None = None):
         self.engine = engine
         self.config = config
+        self.tokenizer_executor = tokenizer_executor  # None: the event loop's default executor
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._token_text)
+
+    async def run_blocking(self, fn: Callable, *args):
+        """fn(*args) on the tokenizer thread, the event loop serving others meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_executor, fn, *args)
 
     # ---- checks (all before any engine request) -----------------------------------------------------
 
@@ -109,17 +134,28 @@ class OpenAIServing:
         if not 1 <= request.n <= MAX_N:
             raise bad_request(f"n must be in [1, {MAX_N}], got {request.n}", "n")
 
-    def check_capacity(self) -> None:
-        """503 when the engine is dead, or when --max-waiting requests are already waiting."""
+    def check_num_sequences(self, num_prompts: int, n: int) -> None:
+        """400 when one request asks for more sequences (prompts x n) than --max-sequences-per-request."""
+        limit = self.config.max_sequences_per_request
+        if num_prompts * n > limit:
+            raise bad_request(
+                f"this request asks for {num_prompts * n} sequences ({num_prompts} prompts x n={n}), "
+                f"more than the {limit} this server allows in one request (--max-sequences-per-request)",
+                "n",
+            )
+
+    def check_capacity(self, num_sequences: int) -> None:
+        """503 when the engine is dead, or when the sequences waiting plus this request's would pass
+        --max-waiting (a request is admitted when nothing waits, so every allowed request can run)."""
         if not self.engine.is_healthy:
             raise APIError(f"the engine is not running: {self.engine.dead_error}", 503, code="engine_dead")
         limit = self.config.max_waiting
         if limit is not None:
             waiting = self.engine.num_waiting
-            if waiting >= limit:
+            if waiting and waiting + num_sequences > limit:
                 raise APIError(
-                    f"the server is overloaded: {waiting} requests are waiting (--max-waiting {limit}); "
-                    f"retry after {RETRY_AFTER_S} s",
+                    f"the server is overloaded: {waiting} sequence(s) waiting, and this request adds "
+                    f"{num_sequences} (--max-waiting {limit}); retry after {RETRY_AFTER_S} s",
                     503,
                     code="overloaded",
                     headers={"Retry-After": str(RETRY_AFTER_S)},
@@ -189,18 +225,19 @@ class OpenAIServing:
         return merge_async_iterators(*gens)
 
     async def collect(
-        self, outputs: AsyncIterator[tuple[int, RequestOutput]], num_choices: int
+        self, request_id: str, outputs: AsyncIterator[tuple[int, RequestOutput]], num_choices: int
     ) -> list[Choice]:
         choices = [Choice() for _ in range(num_choices)]
         try:
             async for i, out in outputs:
                 choices[i].add(out)
         except (RequestFailedError, EngineDeadError) as e:
-            raise engine_error(e) from None
+            raise engine_error(request_id, e) from None
         return choices
 
     async def stream(
         self,
+        request_id: str,
         outputs: AsyncIterator[tuple[int, RequestOutput]],
         num_choices: int,
         n: int,
@@ -211,8 +248,9 @@ class OpenAIServing:
     ) -> AsyncIterator[str]:
         """The SSE events of one request: `first`, then chunk(choice index, output, the choice's text
         length before it) for each output that has text or finishes (every output with keep_empty),
-        then usage_chunk(usage) if given, then [DONE]. An engine failure ends it with an error event;
-        closing it closes `outputs` (which aborts the unfinished requests)."""
+        then usage_chunk(usage) if given, then [DONE]. An engine failure (or a bug: a 500 with an id)
+        ends it with an error event and [DONE]; closing it closes `outputs` (which aborts the
+        unfinished requests)."""
         choices = [Choice() for _ in range(num_choices)]
         try:
             async with aclosing(outputs):
@@ -226,7 +264,9 @@ class OpenAIServing:
             if usage_chunk is not None:
                 yield sse(usage_chunk(self.usage(choices, n)))
         except (RequestFailedError, EngineDeadError) as e:
-            yield sse_error(engine_error(e))
+            yield sse_error(engine_error(request_id, e))
+        except Exception as e:
+            yield sse_error(internal_error(e, f"the stream of {request_id}"))
         yield SSE_DONE
 
     def usage(self, choices: list[Choice], n: int) -> UsageInfo:
@@ -256,8 +296,11 @@ class OpenAIServing:
         return [(t, max(lp, MIN_LOGPROB)) for t, lp in ranked]
 
 
-def engine_error(e: Exception) -> APIError:
+def engine_error(request_id: str, e: Exception) -> APIError:
+    """The answer to a request the engine could not finish: 503 when the engine stopped (logged: one
+    line per request), 500 when the step that ran it failed (the engine logged that)."""
     if isinstance(e, EngineDeadError):
+        logger.warning("request %s aborted: %s", request_id, e)
         return APIError(str(e), 503, code="engine_dead")
     return APIError(str(e), 500)
 

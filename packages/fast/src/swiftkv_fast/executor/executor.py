@@ -2,7 +2,8 @@
 `MultiprocExecutor` (executor/multiproc_executor.py) adds tensor-parallel worker processes.
 
 The engine talks to either the same way: `execute(scheduler_output)` -> ModelRunnerOutput,
-`dead_error` (None while it can run steps), `shutdown()`; `runner` is rank 0's ModelRunner."""
+`dead_error` (None while it can run steps), `register_failure_callback(callback)` (called when a
+worker dies, even between steps), `shutdown()`; `runner` is rank 0's ModelRunner."""
 
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ class Executor:
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(out)
+
+    def register_failure_callback(self, callback) -> None:
+        """One rank in this process: no worker can die apart from it."""
 
     def shutdown(self) -> None:
         pass

@@ -6,9 +6,12 @@ spawns the workers, waits until each has joined (failing at once if one dies), t
 its process groups and its ModelRunner; the ranks agree on the number of KV blocks.
 
 Each step rank 0 broadcasts the `StepInput` and every rank runs the model; rank 0 samples. A worker
-that dies closes its connections, so rank 0's next collective fails within a second: the executor is
-then dead (`dead_error`), the other workers are stopped, and every later step raises the same
-`WorkerDiedError`, which names the rank, its exit code and the error it reported. An exception on
+that dies closes its connections, so rank 0's next collective fails within a second; a worker that
+dies while no step runs is seen at once by a monitor thread (executor/worker_monitor.py), which calls
+the callbacks given to `register_failure_callback` (the server's engine loop wakes up and turns
+unhealthy). Either way the executor is then dead (`dead_error`), the other workers are stopped, and
+every later step raises the same `WorkerDiedError`, which names the rank, its pid, its exit code and
+the error it reported. An exception on
 rank 0 inside the model also ends the executor: the workers are then blocked in a collective that
 rank 0 will never join. (A Ctrl-C is held until the step ends: see engine/llm_engine.py.)
 
@@ -35,6 +38,7 @@ from swiftkv_fast.distributed.parallel_state import (
     init_tensor_parallel,
 )
 from swiftkv_fast.executor.executor import Executor, WorkerDiedError
+from swiftkv_fast.executor.worker_monitor import start_worker_monitor
 from swiftkv_fast.logger import init_logger
 from swiftkv_fast.model.kv_cache_layout import KVCacheLayout
 from swiftkv_fast.model.tp_sharding import TensorParallelShard, shard_state_dict
@@ -62,7 +66,9 @@ class MultiprocExecutor(Executor):
         self.dead_error = None
         self.procs: list[mp.Process] = []
         self._groups: list = []  # [rank 0's TensorParallelGroup] once built (the finalizer stops via it)
-        self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self._groups)
+        self._monitor: list = []  # [the worker monitor's stop connection] once started
+        self._failure_callbacks: list = []
+        self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self._groups, self._monitor)
         init_method = econf.distributed_init_method or free_init_method()
         self.store = connect_store(init_method, 0, n)
         # on CPU the ranks share the cores: each runs its model with 1/N of this process's threads
@@ -90,6 +96,10 @@ class MultiprocExecutor(Executor):
             raise
         except BaseException as e:
             raise self._failure("at start-up", e) from e
+        this = weakref.ref(self)  # the monitor must not keep the executor alive (its finalizer stops it)
+        self._monitor.append(
+            start_worker_monitor(self.procs, lambda dead: (e := this()) and e._worker_died(dead))
+        )
         logger.info(
             "tensor parallel: %d ranks (%s), worker pids %s, %d torch thread(s) per rank on CPU, init %s",
             n,
@@ -133,6 +143,25 @@ class MultiprocExecutor(Executor):
             torch.set_num_threads(threads)
         return self.runner.sample(out, logits)
 
+    def register_failure_callback(self, callback) -> None:
+        """`callback()` is called (on the monitor thread) once a worker has died unasked."""
+        self._failure_callbacks.append(callback)
+
+    def _worker_died(self, dead: list) -> None:
+        """On the monitor thread: the workers `dead` exited unasked. The executor is dead from now on (a
+        step that meets the death reports it too); the other workers are stopped and the callbacks told."""
+        if self.dead_error is None:
+            for p in dead:  # its sentinel closes as it exits, a moment before its exit code is there
+                p.join(EXIT_WAIT_S)
+            parts = "; ".join(self._describe(rank, p) for rank, p in enumerate(self.procs, 1) if p in dead)
+            self.dead_error = WorkerDiedError(
+                f"tensor-parallel engine stopped: {parts}. Create a new engine."
+            )
+            logger.error("%s", self.dead_error)
+        self.shutdown()
+        for callback in self._failure_callbacks:
+            callback()
+
     def _raise_if_a_worker_died(self, when: str) -> None:
         if any(p.exitcode is not None for p in self.procs):
             raise self._failure(when, None)
@@ -158,7 +187,10 @@ class MultiprocExecutor(Executor):
 
     def _describe(self, rank: int, proc) -> str:
         code = proc.exitcode
-        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        if code is None:  # not reaped yet
+            how = "exited"
+        else:
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         text = f"worker rank {rank} (pid {proc.pid}) died ({how})"
         try:
             if self.store.check([error_key(rank)]):
@@ -177,8 +209,12 @@ class MultiprocExecutor(Executor):
         self._finalizer()
 
 
-def _stop_workers(procs: list, groups: list) -> None:
-    """Ask the workers to exit (None), then terminate and kill what is left. Never raises."""
+def _stop_workers(procs: list, groups: list, monitor: list) -> None:
+    """Stop watching the workers, ask them to exit (None), then terminate and kill what is left. Never
+    raises."""
+    for stop in monitor:
+        stop.close()
+    monitor.clear()
     alive = [p for p in procs if p.exitcode is None]
     if groups and alive and len(alive) == len(procs):
         try:

@@ -196,6 +196,7 @@ def test_stop_string_in_prompt_does_not_stop(impl, bench, request):
     prompt/output boundary never stop the request; one the output completes at token j stops it
     there, every token kept and the text cut before it."""
     _stop_rules_case(impl)
+    impl.require("stop-strings")
     model = STOP_RULES_MODEL
     config, _ = bench.model(model)
     tok = CharTokenizer.for_config(config)

@@ -19,6 +19,7 @@ from .fast import (
     FastTriton,
 )
 from .reference import Reference
+from .vllm import VLLMPlugin
 
 IMPLEMENTATIONS: dict[str, type[Implementation]] = {
     cls.name: cls
@@ -37,6 +38,7 @@ IMPLEMENTATIONS: dict[str, type[Implementation]] = {
         FastFlash,
         FastCudaGraph,
         FastTP2,
+        VLLMPlugin,
     )
 }
 GPU_IMPLEMENTATIONS = [name for name, cls in IMPLEMENTATIONS.items() if cls.gpu]

@@ -119,6 +119,9 @@ class Implementation(ABC):
     # the tiny models' weights it runs on, the reference oracle too: "random", "four-bit" (a dequantized
     # Q4_1 checkpoint's values) or "bf16" (rounded to bf16), for kernels that apply only to those
     weights: ClassVar[str] = "random"
+    # features whose cases it cannot take part in: "seeded-sampling" (its sampler draws other tokens for a
+    # seed than the reference's), "stop-strings" (no detokenizer for the tiny models' ids)
+    lacks: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
@@ -144,6 +147,13 @@ class Implementation(ABC):
 
     def default_engine(self) -> EngineOptions:
         return EngineOptions()
+
+    def require(self, feature: str) -> None:
+        """Skip the calling test when this implementation lacks `feature` (see `lacks`)."""
+        if feature in self.lacks:
+            import pytest
+
+            pytest.skip(f"{self.name} does not take part in {feature} cases")
 
     def unsupported(self, engine: EngineOptions) -> str | None:
         """A reason this implementation cannot serve `engine` (the case is skipped), or None."""

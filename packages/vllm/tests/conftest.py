@@ -1,7 +1,7 @@
 """vLLM's CPU build in this process: no engine-core subprocess, a small fixed KV cache space, quiet logs.
 
-Set before vLLM is imported. Every engine is built through `engine()`, which frees it afterwards, so
-one pytest process can build many in a row.
+Set before vLLM is imported; compiled graphs are never reused from vLLM's cache. Every engine is built
+through `helpers.engine()`, which frees it afterwards, so one pytest process can build many in a row.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, the same for every engine of a test
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# compiled-mode tests compile for real: a cached graph from an earlier build could hide a dropped K/V write
+os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
 
 import pytest  # noqa: E402
 

@@ -426,6 +426,8 @@ def test_health_is_answered_while_a_maximal_body_is_tokenized(app_engine, monkey
 
 
 def test_a_bug_is_a_500_with_an_id_and_no_exception_text(app_engine, monkeypatch):
+    """A bug in the server's code and one in an engine step: each a 500 naming an id, without the
+    exception's text; the log has the traceback under that id."""
     from swiftkv_fast.entrypoints.serving_completion import OpenAIServingCompletion
 
     make_client, engine = app_engine
@@ -434,25 +436,30 @@ def test_a_bug_is_a_500_with_an_id_and_no_exception_text(app_engine, monkeypatch
     handler.emit = records.append
     logging.getLogger("swiftkv_fast").addHandler(handler)
 
-    def broken(self, request):
+    def broken(*args):
         raise RuntimeError("a secret path /etc/shadow")
 
+    answers = []
     try:
         with serve_in_thread(make_client.app()) as url:
-            monkeypatch.setattr(OpenAIServingCompletion, "prepare", broken)
-            r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}, timeout=TIMEOUT)
-            monkeypatch.undo()
+            for target, name in ((OpenAIServingCompletion, "prepare"), (engine.engine.runner, "execute")):
+                with monkeypatch.context() as patch:
+                    patch.setattr(target, name, broken)
+                    answers.append(
+                        httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}, timeout=TIMEOUT)
+                    )
             good = httpx.post(
                 f"{url}/v1/completions", json={"prompt": "ok", "max_tokens": 2}, timeout=TIMEOUT
             )
     finally:
         logging.getLogger("swiftkv_fast").removeHandler(handler)
-    assert r.status_code == 500 and "secret" not in r.text
-    error = r.json()["error"]
-    assert error["type"] == "server_error" and error["message"].startswith("internal server error (id ")
-    error_id = error["message"].split()[4].rstrip(":")
-    (logged,) = [rec for rec in records if error_id in rec.getMessage()]
-    assert logged.exc_info[0] is RuntimeError  # the traceback is in the log, under the same id
+    for r in answers:
+        assert r.status_code == 500 and "secret" not in r.text
+        error = r.json()["error"]
+        assert error["type"] == "server_error" and error["message"].startswith("internal server error (id ")
+        error_id = error["message"].split()[4].rstrip(":")
+        (logged,) = [rec for rec in records if error_id in rec.getMessage()]
+        assert logged.exc_info[0] is RuntimeError  # the traceback is in the log, under the same id
     assert good.status_code == 200
     assert_idle(engine)
 

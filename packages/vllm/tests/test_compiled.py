@@ -7,43 +7,13 @@ the two halves (fast prefill on, with chunking and a prefix hit, on the hybrid Q
 
 from __future__ import annotations
 
-from helpers import PROMPTS, assert_matches_reference, engine, generate, write_checkpoint
-
-MAX_TOKENS = 6
+from helpers import MODELS, fast_prefill_twice, matches_reference_once, write_checkpoint
 
 
 def test_compiled_whole_model_equals_the_reference(tmp_path):
-    path, config, state = write_checkpoint(
-        tmp_path,
-        model_type="llama_swiftkv",
-        num_hidden_layers=6,
-        num_key_value_layers=2,
-        key_value_group_size=2,
-    )
-    with engine(path, enforce_eager=False) as llm:
-        got = generate(llm, PROMPTS, MAX_TOKENS)
-    assert_matches_reference(config, state, got, PROMPTS, MAX_TOKENS)
+    matches_reference_once(*write_checkpoint(tmp_path, **MODELS["llama-L2-G2"]), enforce_eager=False)
 
 
 def test_compiled_halves_with_fast_prefill_equal_the_reference(tmp_path):
-    path, config, state = write_checkpoint(
-        tmp_path,
-        model_type="qwen2_swiftkv",
-        num_hidden_layers=4,
-        num_key_value_layers=2,
-        key_value_group_size=2,
-        sliding_window=8,
-        layer_types=["full_attention"] * 2 + ["sliding_attention"] * 2,
-    )
-    with engine(
-        path,
-        enforce_eager=False,
-        kv_sharing_fast_prefill=True,
-        max_num_batched_tokens=16,
-        enable_prefix_caching=True,
-        block_size=32,
-    ) as llm:
-        first = generate(llm, PROMPTS, MAX_TOKENS)
-        second = generate(llm, PROMPTS, MAX_TOKENS)
-    assert_matches_reference(config, state, first, PROMPTS, MAX_TOKENS)
-    assert_matches_reference(config, state, second, PROMPTS, MAX_TOKENS)
+    path, config, state = write_checkpoint(tmp_path, **MODELS["qwen2-hybrid-G2"])
+    fast_prefill_twice(path, config, state, enforce_eager=False)

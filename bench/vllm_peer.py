@@ -11,8 +11,9 @@ On each of `bench throughput`'s mixes: prefill tokens/s (every request with max_
 tokens/s and mean TTFT of the whole mix (greedy, EOS ignored), median over the rounds after a warm-up;
 start-up (and vLLM's compilation) is reported apart, not counted. vLLM runs with the CPU settings of
 `../shared/anchors/vllm-plugin-facts.md`: its KV space fixed, its OpenMP threads on every core, no
-reserved core, the engine core in the benchmark's process. Its processes need vLLM's CPU build: by
-default the interpreter of the `vllm` nox session's venv (`--vllm-python`).
+reserved core, the engine core in the benchmark's process, and Intel's OpenMP preloaded where its venv
+has it (what vLLM's CPU install guide asks for; tcmalloc too where the system has it). Its processes
+need vLLM's CPU build: by default the interpreter of the `vllm` nox session's venv (`--vllm-python`).
 """
 
 from __future__ import annotations
@@ -94,8 +95,19 @@ def _spawn(python: Path, system: str, dtype: str, mixes: list[str], repeat: int,
         "--warmup", str(warmup), "--seed", str(args.seed),
     ] + (["--quick"] if args.quick else [])  # fmt: skip
     env = os.environ | VLLM_ENV | {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if system.startswith("vllm") and (preload := _vllm_preload(python)):
+        env["LD_PRELOAD"] = ":".join(filter(None, [*preload, os.environ.get("LD_PRELOAD")]))
     subprocess.run(command, check=True, cwd=ROOT, env=env)
     return json.loads(out.read_text())
+
+
+def _vllm_preload(python: Path) -> list[str]:
+    """The libraries vLLM's CPU guide preloads: tcmalloc (from the system) and Intel's OpenMP (from the
+    venv, where vLLM's CPU wheel installs it), each where present."""
+    libs = Path("/usr/lib/x86_64-linux-gnu")
+    tcmalloc = sorted(libs.glob("libtcmalloc_minimal.so*")) + sorted(libs.glob("libtcmalloc.so*"))
+    iomp = python.parent.parent / "lib" / "libiomp5.so"
+    return [str(p) for p in tcmalloc[:1]] + ([str(iomp)] if iomp.exists() else [])
 
 
 def _worker(args: argparse.Namespace) -> int:

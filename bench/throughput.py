@@ -7,8 +7,8 @@ L = N/2 (bench/gemm_floor.py: its linear layers alone): its "x hf-generate" is t
 over transformers that any engine can reach on this machine's fp32 GEMM. On request (`--systems`), the
 engine over a bf16 KV cache too (`fast-off-kv-bf16`, `fast-on-kv-bf16`: kv_cache_dtype="bfloat16"), and
 the engine with every weight kept in fp32 (`fast-off-fp32-weights`, `fast-on-fp32-weights`: built with
-SWIFTKV_CPU_GEMM_4BIT=0, so 4-bit weights get neither 4-bit panels nor q4-amx). With the floors, the
-table notes each floor plus attention's irreducible work (bench/attention_floor.py), every engine
+SWIFTKV_DISABLED_KERNELS=gemm-4bit, so 4-bit weights get neither 4-bit panels nor q4-amx). With the
+floors, the table notes each floor plus attention's irreducible work (bench/attention_floor.py), every engine
 system's share of it, and the largest share of the GEMM floor's ratio any engine can reach (the floor's
 time over that sum's: an engine's share of the floor is the floor's time over its own).
 Mixes (request count x prompt length -> output length):
@@ -71,12 +71,16 @@ DEFAULT_SYSTEMS = [
 ]
 # the engine over a bf16 KV cache (kv_cache_dtype="bfloat16"): half the bytes decode attention reads
 KV_BF16_SYSTEMS = {"fast-off-kv-bf16": "fast-off", "fast-on-kv-bf16": "fast-on"}
-# the engine with its weights in fp32 layouts only (SWIFTKV_CPU_GEMM_4BIT=0): the 4-bit layouts' gain
+# the engine with its weights in fp32 layouts only (SWIFTKV_DISABLED_KERNELS=gemm-4bit): the 4-bit
+# layouts' gain
 FP32_WEIGHTS_SYSTEMS = {"fast-off-fp32-weights": "fast-off", "fast-on-fp32-weights": "fast-on"}
 # every such variant: name -> (the engine system it varies, its build kwargs, its environment at build)
 VARIANT_SYSTEMS = {
     **{name: (base, {"kv_cache_dtype": "bfloat16"}, {}) for name, base in KV_BF16_SYSTEMS.items()},
-    **{name: (base, {}, {"SWIFTKV_CPU_GEMM_4BIT": "0"}) for name, base in FP32_WEIGHTS_SYSTEMS.items()},
+    **{
+        name: (base, {}, {"SWIFTKV_DISABLED_KERNELS": "gemm-4bit"})
+        for name, base in FP32_WEIGHTS_SYSTEMS.items()
+    },
 }
 SYSTEMS = [*DEFAULT_SYSTEMS, *VARIANT_SYSTEMS]
 BASELINE = "hf-generate"
@@ -410,8 +414,8 @@ def _table(
     )
     if any(r["system"] in FP32_WEIGHTS_SYSTEMS for r in rows):
         t.notes.append(
-            "*-fp32-weights: the same engine with every weight in fp32 layouts (SWIFTKV_CPU_GEMM_4BIT=0): "
-            "no 4-bit panels, no q4-amx; the same fp32 numbers."
+            "*-fp32-weights: the same engine with every weight in fp32 layouts "
+            "(SWIFTKV_DISABLED_KERNELS=gemm-4bit): no 4-bit panels, no q4-amx; the same fp32 numbers."
         )
     if any(r["system"] in KV_BF16_SYSTEMS for r in rows):
         t.notes.append(

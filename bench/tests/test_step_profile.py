@@ -131,8 +131,8 @@ def test_throughput_kv_bf16_systems(monkeypatch, tmp_path, capsys):
 
 
 def test_throughput_fp32_weights_systems(monkeypatch, tmp_path, capsys):
-    """fast-*-fp32-weights: the engine built with SWIFTKV_CPU_GEMM_4BIT=0 (no 4-bit layouts), measured
-    beside the default one; the variable is restored after the build."""
+    """fast-*-fp32-weights: the engine built with SWIFTKV_DISABLED_KERNELS=gemm-4bit (no 4-bit layouts),
+    measured beside the default one; the variable is restored after the build."""
     import os
 
     from bench import throughput
@@ -141,17 +141,17 @@ def test_throughput_fp32_weights_systems(monkeypatch, tmp_path, capsys):
     built = []
 
     def build_tiny(L=None, **kw):
-        built.append((L, os.environ.get("SWIFTKV_CPU_GEMM_4BIT")))
+        built.append((L, os.environ.get("SWIFTKV_DISABLED_KERNELS")))
         return tiny_llm(L, build=build, **kw)
 
-    monkeypatch.delenv("SWIFTKV_CPU_GEMM_4BIT", raising=False)
+    monkeypatch.delenv("SWIFTKV_DISABLED_KERNELS", raising=False)
     monkeypatch.setattr(engine, "build_llm", build_tiny)
     monkeypatch.setattr(throughput, "plot", lambda rows, mixes, systems, out: out / "throughput.png")
     argv = ["throughput", "--quick", "--systems", "fast-off,fast-on-fp32-weights", "--mixes", "issue4"]
     assert main([*argv, "--warmup", "0", "--out", str(tmp_path)]) == 0
     assert "*-fp32-weights" in capsys.readouterr().out
-    assert sorted(built, key=str) == sorted([(None, None), (2, "0")], key=str)
-    assert "SWIFTKV_CPU_GEMM_4BIT" not in os.environ
+    assert sorted(built, key=str) == sorted([(None, None), (2, "gemm-4bit")], key=str)
+    assert "SWIFTKV_DISABLED_KERNELS" not in os.environ
     rows = {r["system"]: r for r in json.loads((tmp_path / "throughput.json").read_text())["results"]}
     assert set(rows) == {"fast-off", "fast-on-fp32-weights"}
 

@@ -13,7 +13,7 @@ from swiftkv_fast.kernels import build, cpu_decode, native
 
 needs_compiler = pytest.mark.skipif(
     build.compiler() is None or not cpu_decode.enabled(),
-    reason="no C compiler (or SWIFTKV_CPU_DECODE_KERNEL=0): the compiled decode kernel is off",
+    reason="no C compiler (or decode in SWIFTKV_DISABLED_KERNELS): the compiled decode kernel is off",
 )
 
 
@@ -173,7 +173,7 @@ def test_a_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
 
 
 def test_switched_off_by_the_environment(monkeypatch):
-    monkeypatch.setenv(cpu_decode.ENV_SWITCH, "0")
+    monkeypatch.setenv("SWIFTKV_DISABLED_KERNELS", "decode")
     q, k, v, lens, tables = paged_case(
         6, num_reqs=2, heads=4, kv_heads=2, dim=8, block_size=4, seq_lens=[5, 7]
     )

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import TINY_MODELS, random_prompts
 from swiftkv_fast import LLM, SamplingParams
-from swiftkv_fast.kernels import build, cpu_decode_stack, cpu_gemm
+from swiftkv_fast.kernels import build, cpu_decode_stack
 from swiftkv_fast.model.decode_stack import layer_linears
 from swiftkv_reference.testing import four_bit_state_dict
 
@@ -103,11 +103,11 @@ def test_stack_over_compact_panels_equals_fp32_panels(tiny, name, form, monkeypa
     else:
         state = {k: v.to(torch.bfloat16).float() for k, v in state.items()}
     prompts = random_prompts(4, cfg.vocab_size, [3, 40, 9, 25], seed=5)
-    runs = _runs_under(monkeypatch, cpu_gemm.FOUR_BIT_SWITCH, ("0", "1"), cfg, state, prompts)
-    for four_bit, (_, _, model) in runs.items():
+    runs = _runs_under(monkeypatch, "SWIFTKV_DISABLED_KERNELS", ("gemm-4bit", ""), cfg, state, prompts)
+    for disabled, (_, _, model) in runs.items():
         formats = {lin.layouts["panel"].format for x in model.stacks[0].layers for lin in layer_linears(x)}
-        assert formats == {"fp32" if four_bit == "0" else form}
-    (full, kv_full, _), (compact, kv_compact, _) = runs["0"], runs["1"]
+        assert formats == {"fp32" if disabled else form}
+    (full, kv_full, _), (compact, kv_compact, _) = runs["gemm-4bit"], runs[""]
     for e, a in zip(full, compact):
         assert a.outputs[0].token_ids == e.outputs[0].token_ids
         assert torch.equal(a.outputs[0].logits, e.outputs[0].logits)

@@ -17,7 +17,7 @@ from swiftkv_fast.model import linear_kernels as lk
 
 needs_compiler = pytest.mark.skipif(
     build.compiler() is None or not cpu_gemm.enabled(),
-    reason="no C compiler (or SWIFTKV_CPU_GEMM_KERNEL=0): the panel GEMM is off",
+    reason="no C compiler (or gemm in SWIFTKV_DISABLED_KERNELS): the panel GEMM is off",
 )
 
 
@@ -78,7 +78,7 @@ def test_bad_input_is_refused():
 @pytest.mark.parametrize("why", ["switch", "no build"])
 def test_unavailable_kernel_is_dropped_by_the_chooser_with_one_line(why, monkeypatch, caplog):
     if why == "switch":
-        monkeypatch.setenv(cpu_gemm.ENV_SWITCH, "0")
+        monkeypatch.setenv("SWIFTKV_DISABLED_KERNELS", "gemm")
     else:
         monkeypatch.setattr(build, "_built", {})
         monkeypatch.setattr(native, "_loaded", {})

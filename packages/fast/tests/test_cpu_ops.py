@@ -14,7 +14,7 @@ from swiftkv_fast.model import layers
 
 needs_compiler = pytest.mark.skipif(
     build.compiler() is None or not cpu_ops.enabled(),
-    reason="no C compiler (or SWIFTKV_CPU_OPS_KERNEL=0): the compiled CPU ops are off",
+    reason="no C compiler (or ops in SWIFTKV_DISABLED_KERNELS): the compiled CPU ops are off",
 )
 # small calls run on one thread, large ones on every thread: both sides of PARALLEL_MIN
 ROWS = [1, 16, 2 * cpu_ops.PARALLEL_MIN // 64 + 3]
@@ -96,7 +96,7 @@ def test_layers_fall_back_to_torch_with_one_warning(switch, monkeypatch, caplog)
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setattr(cpu_ops, "_resolved", [])
     if switch == "env":
-        monkeypatch.setenv(cpu_ops.ENV_SWITCH, "0")
+        monkeypatch.setenv("SWIFTKV_DISABLED_KERNELS", "ops")
     else:
         monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
     g = torch.Generator().manual_seed(0)

@@ -15,7 +15,7 @@ from swiftkv_fast.sampler import sample
 
 needs_kernel = pytest.mark.skipif(
     build.compiler() is None or not cpu_sample.enabled(),
-    reason="no C compiler (or SWIFTKV_CPU_SAMPLE_KERNEL=0): the sampling kernel is off",
+    reason="no C compiler (or sample in SWIFTKV_DISABLED_KERNELS): the sampling kernel is off",
 )
 
 

@@ -113,11 +113,10 @@ def test_portable_ops_match_reference(tiny, name, monkeypatch):
     """The torch code of every op the C kernels replace on CPU (the path CUDA and compiler-less
     machines run): RMSNorm + residual, SiLU-and-mul, RoPE, the KV write, decode and prompt attention,
     and the linear layers without the panel GEMM."""
-    from swiftkv_fast.kernels import cpu_decode, cpu_gemm, cpu_ops, cpu_prefill
+    from swiftkv_fast.kernels import cpu_ops
 
     monkeypatch.setattr(cpu_ops, "_resolved", [None])
-    for switch in (cpu_decode.ENV_SWITCH, cpu_prefill.ENV_SWITCH, cpu_gemm.ENV_SWITCH):
-        monkeypatch.setenv(switch, "0")
+    monkeypatch.setenv("SWIFTKV_DISABLED_KERNELS", "decode,prefill,gemm")
     cfg, state, model = tiny(**TINY_MODELS[name])
     llm = LLM.from_state_dict(cfg, state, return_logits=True, block_size=4, max_num_batched_tokens=90)
     prompts = random_prompts(4, cfg.vocab_size, LENGTHS[:4], seed=7)

@@ -13,7 +13,7 @@ import swiftkv_fast
 
 ROOT = Path(swiftkv_fast.__file__).parent
 LAYERS = {"engine": 4, "executor": 3, "worker": 2, "model": 1, "attention": 0, "kernels": 0, "distributed": 0}
-SHARED = {"config", "logger", "outputs", "sampler", "sampling_params", "scheduler_output"}
+SHARED = {"config", "envs", "logger", "outputs", "sampler", "sampling_params", "scheduler_output"}
 REFERENCE_IMPORTER = "model/loader.py"
 REFERENCE_FOR_ALL = {"swiftkv_reference.memory"}
 

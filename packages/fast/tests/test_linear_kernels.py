@@ -387,7 +387,7 @@ def test_the_engine_hands_its_matmul_precision_to_the_chooser(monkeypatch):
 
 
 def test_a_forced_bf16x3_where_it_cannot_run_falls_back_with_one_log_line(monkeypatch, log):
-    monkeypatch.setenv(cpu_amx.ENV_SWITCH, "0")
+    monkeypatch.setenv("SWIFTKV_DISABLED_KERNELS", "amx")
     forced = chooser("bf16x3", precision="high")
     assert forced.choose("o", torch.randn(8, 4), None, 16).plan == ((sys.maxsize, "linear"),)
     warnings = [r.getMessage() for r in log.records if r.levelno == logging.WARNING]

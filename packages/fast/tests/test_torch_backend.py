@@ -16,7 +16,7 @@ def backend(request):
     if request.param == "gather":
         return TorchBackend(compiled_decode=False)
     if build.compiler() is None or not cpu_decode.enabled():
-        pytest.skip("no C compiler (or SWIFTKV_CPU_DECODE_KERNEL=0): the compiled decode kernel is off")
+        pytest.skip("no C compiler (or decode in SWIFTKV_DISABLED_KERNELS): the compiled decode is off")
     return TorchBackend()
 
 
@@ -133,7 +133,7 @@ def test_fresh_prompts_of_different_lengths_every_way_match_the_reference(tiny_e
     """One batch of fresh prompts of different lengths, with the per-request or the padded SDPA forced,
     or the compiled prefill kernel: greedy tokens and logits as the reference's."""
     if path == "compiled" and (build.compiler() is None or not cpu_prefill.enabled()):
-        pytest.skip("no C compiler (or SWIFTKV_CPU_PREFILL_KERNEL=0): the compiled prefill kernel is off")
+        pytest.skip("no C compiler (or prefill in SWIFTKV_DISABLED_KERNELS): compiled prefill is off")
     run, expected = tiny_engine_case
     tokens, logits = run(path)
     assert tokens == expected[0]
@@ -158,19 +158,19 @@ def tiny_engine_case():
 
     def run(path: str):
         forced = SdpaCost(0.0, 1.0, 1.0) if path == "per_request" else SdpaCost(1.0, 0.0, 0.0)
-        real, env = torch_backend.sdpa_cost, os.environ.get(cpu_prefill.ENV_SWITCH)
+        real, env = torch_backend.sdpa_cost, os.environ.get("SWIFTKV_DISABLED_KERNELS")
         torch_backend.sdpa_cost = lambda *args: forced
         if path != "compiled":
-            os.environ[cpu_prefill.ENV_SWITCH] = "0"
+            os.environ["SWIFTKV_DISABLED_KERNELS"] = "prefill"
         try:
             llm = LLM.from_state_dict(cfg, state, return_logits=True, num_kv_blocks=64, max_model_len=128)
             outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         finally:
             torch_backend.sdpa_cost = real
             if env is None:
-                os.environ.pop(cpu_prefill.ENV_SWITCH, None)
+                os.environ.pop("SWIFTKV_DISABLED_KERNELS", None)
             else:
-                os.environ[cpu_prefill.ENV_SWITCH] = env
+                os.environ["SWIFTKV_DISABLED_KERNELS"] = env
         return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logits for o in outs]
 
     return run, expected

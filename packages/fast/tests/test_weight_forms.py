@@ -171,7 +171,7 @@ def test_the_switch_keeps_fp32_panels_and_the_timings_apart(monkeypatch, tmp_pat
     assert chooser._form(q8_0(32, 64)) == "q8"
     assert chooser._shape_key(w, "q4") == "float32 32x64 q4"
     assert chooser._shape_key(w, None) == "float32 32x64"
-    monkeypatch.setenv(cpu_gemm.FOUR_BIT_SWITCH, "0")
+    monkeypatch.setenv("SWIFTKV_DISABLED_KERNELS", "gemm-4bit")
     assert chooser._form(w) is None
     if build.compiler() is not None:
         assert cpu_gemm.PanelWeight(w).format == "fp32"
@@ -205,7 +205,7 @@ def test_kernels_this_machine_cannot_run_are_not_offered_and_not_called_failed(m
     timing with one info line, no warning, and the fp32 kernels are chosen as before."""
     import logging
 
-    monkeypatch.setenv(cpu_amx.ENV_SWITCH, "0")
+    monkeypatch.setenv("SWIFTKV_DISABLED_KERNELS", "amx")
     caplog.set_level(logging.INFO, logger=lk.logger.name)
     timer = lambda kernel, rows, call: (call(), 1e-3)[1]  # noqa: E731
     chooser = lk.LinearKernelChooser("auto", "cpu", (1, 16), timer=timer)
@@ -215,7 +215,7 @@ def test_kernels_this_machine_cannot_run_are_not_offered_and_not_called_failed(m
     assert not chooser.failed and {"q4-amx", "panel-amx"} <= set(chooser.absent)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     offered = [r.getMessage() for r in caplog.records if "not offered on this machine" in r.getMessage()]
-    assert len(offered) == 1 and "q4-amx (SWIFTKV_CPU_AMX_KERNEL=0)" in offered[0]
+    assert len(offered) == 1 and "q4-amx (amx in SWIFTKV_DISABLED_KERNELS)" in offered[0]
 
 
 amx = pytest.mark.skipif(cpu_amx.unavailable_reason() is not None, reason="no AMX here")

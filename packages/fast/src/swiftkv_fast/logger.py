@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-import os
+
+from swiftkv_fast import envs
 
 _ROOT = "swiftkv_fast"
 _configured = False
@@ -15,8 +16,8 @@ def _configure_root() -> None:
         return
     _configured = True
     root = logging.getLogger(_ROOT)
-    root.setLevel(os.environ.get("SWIFTKV_LOGGING_LEVEL", "INFO").upper())
-    if os.environ.get("SWIFTKV_CONFIGURE_LOGGING", "1") != "0" and not root.handlers:
+    root.setLevel(envs.SWIFTKV_LOGGING_LEVEL.upper())
+    if envs.SWIFTKV_CONFIGURE_LOGGING and not root.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s] %(message)s", "%H:%M:%S"))
         root.addHandler(handler)

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from swiftkv_fast import envs
 
 
 def interpreting() -> bool:
     """True when Triton runs kernels through its CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return envs.TRITON_INTERPRET
 
 
 def next_pow2(x: int) -> int:

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from swiftkv_fast import envs
 from swiftkv_fast.logger import init_logger
 
 logger = init_logger(__name__)
@@ -65,10 +66,7 @@ _NOT_BUILT = object()
 
 def max_isa() -> str:
     """The instruction sets the kernels are built for (ISA_SWITCH; default "native")."""
-    value = os.environ.get(ISA_SWITCH, "native").lower() or "native"
-    if value not in ISA_FLAGS:
-        raise ValueError(f"{ISA_SWITCH}={value!r}: expected one of {sorted(ISA_FLAGS)}")
-    return value
+    return envs.SWIFTKV_CPU_MAX_ISA
 
 
 def kv_bf16(dtype: torch.dtype) -> int | None:
@@ -79,7 +77,7 @@ def kv_bf16(dtype: torch.dtype) -> int | None:
 
 def compiler_setting() -> str:
     """The compiler as set ($CC, else `cc`), before it is looked up."""
-    return os.environ.get("CC", "cc")
+    return envs.CC
 
 
 def compiler() -> str | None:
@@ -90,10 +88,10 @@ def compiler() -> str | None:
 def cache_dir() -> Path:
     """Where builds are kept: $SWIFTKV_CACHE/kernels, else $XDG_CACHE_HOME/swiftkv/kernels, else
     ~/.cache/swiftkv/kernels."""
-    root = os.environ.get("SWIFTKV_CACHE")
+    root = envs.SWIFTKV_CACHE
     if root:
         return Path(root).expanduser() / "kernels"
-    xdg = os.environ.get("XDG_CACHE_HOME")
+    xdg = envs.XDG_CACHE_HOME
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "swiftkv" / "kernels"
 
 

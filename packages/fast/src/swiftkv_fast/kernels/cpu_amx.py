@@ -8,23 +8,23 @@ x is split in three parts that sum to it exactly, so every product is exact and 
 arithmetic at the "highest" precision, with W in half the bytes.
 
 Needs a compiler that targets AMX-BF16 (-march=native on a CPU with it) and Linux's permission for the
-tile state (arch_prctl, Linux 5.16+). Where either is missing, or with SWIFTKV_CPU_AMX_KERNEL=0,
+tile state (arch_prctl, Linux 5.16+). Where either is missing, or with `amx` in SWIFTKV_DISABLED_KERNELS,
 `Bf16x3Weight` raises RuntimeError and the chooser drops the candidate with one log line.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from functools import cache
 
 import torch
 
+from swiftkv_fast import envs
 from swiftkv_fast.kernels import build, native
 from swiftkv_fast.kernels._common import dense_rows
 from swiftkv_fast.kernels.weight_forms import FormMismatch, bf16_exact
 
-ENV_SWITCH = "SWIFTKV_CPU_AMX_KERNEL"
+KERNEL = "amx"  # its name in SWIFTKV_DISABLED_KERNELS (envs.py)
 # torch.set_float32_matmul_precision's levels the engine knows (EngineConfig.matmul_precision), most
 # precise first: "highest" is fp32 throughout, "high" also permits this kernel's bf16x3
 MATMUL_PRECISIONS = ("highest", "high")
@@ -36,13 +36,13 @@ _scratch = threading.local()  # per thread, the split copy of x, grown to the la
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1") != "0"
+    return envs.kernel_enabled(KERNEL)
 
 
 def unavailable_reason() -> str | None:
     """Why the kernel cannot run here, or None when it can."""
     if not enabled():
-        return f"{ENV_SWITCH}=0"
+        return envs.disabled_reason(KERNEL)
     if _functions() is None:
         return "no C compiler"
     status = _tile_permission(build.max_isa())

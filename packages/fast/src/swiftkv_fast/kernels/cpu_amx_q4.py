@@ -8,7 +8,7 @@ parts that sum to it exactly), so y is the fp32 dot product of x and the fp32 we
 another order than a sequential FMA chain, as any GEMM library's blocking does. The weight is held as
 bf16 code tiles and fp32 d, m: 2.25 bytes per weight where fp32 takes 4.
 
-Needs what kernels/cpu_amx.py needs; SWIFTKV_CPU_AMX_KERNEL=0 turns both off.
+Needs what kernels/cpu_amx.py needs; `amx` in SWIFTKV_DISABLED_KERNELS turns both off.
 """
 
 from __future__ import annotations

@@ -9,25 +9,25 @@ it faster. Larger blocks read faster too (`LLM(block_size=128)` suits long conte
 
 Built per (head_dim, group, cache dtype) by kernels/build.py. `decode_attention` returns None when
 the kernel does not apply (`supports`), cannot be built here, or is switched off
-(SWIFTKV_CPU_DECODE_KERNEL=0): the caller keeps its gather + SDPA path. A seq_len beyond its block
+(`decode` in SWIFTKV_DISABLED_KERNELS): the caller keeps its gather + SDPA path. A seq_len beyond its block
 table or a block id outside the cache raises ValueError before that request's rows are read.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 
+from swiftkv_fast import envs
 from swiftkv_fast.kernels import build, native
 
-ENV_SWITCH = "SWIFTKV_CPU_DECODE_KERNEL"
+KERNEL = "decode"  # its name in SWIFTKV_DISABLED_KERNELS (envs.py)
 MAX_GROUP = 16  # query heads per KV head the kernel keeps in registers / on the stack
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1") != "0"
+    return envs.kernel_enabled(KERNEL)
 
 
 def supports_shape(head_dim: int, group: int) -> bool:

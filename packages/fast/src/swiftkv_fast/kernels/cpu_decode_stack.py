@@ -12,21 +12,21 @@ Every layer's linears must be panel GEMM layouts (PanelWeight); model/decode_sta
 where the kernel chooser runs the panel GEMM at the step's row count for every one of them. Inputs are
 checked before any work (positions within the RoPE table, seq_lens within the block tables, the block
 ids read, the slots written): a bad one raises ValueError with nothing written, h included. Built per
-(head_dim, group, cache dtype) by kernels/build.py; SWIFTKV_CPU_DECODE_STACK=0 turns it off (the model
-then runs the ops one by one).
+(head_dim, group, cache dtype) by kernels/build.py; `decode-stack` in SWIFTKV_DISABLED_KERNELS turns it
+off (the model then runs the ops one by one).
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 from collections.abc import Callable
 
 import torch
 
+from swiftkv_fast import envs
 from swiftkv_fast.kernels import build, cpu_decode, cpu_gemm, native
 
-ENV_SWITCH = "SWIFTKV_CPU_DECODE_STACK"
+KERNEL = "decode-stack"  # its name in SWIFTKV_DISABLED_KERNELS (envs.py)
 
 
 # csrc/decode_stack.c's structures, field for field
@@ -93,7 +93,7 @@ TIMED_PHASES = ("linear", "attention", "rope_kv")
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1") != "0"
+    return envs.kernel_enabled(KERNEL)
 
 
 def kernel(head_dim: int, group: int, kv_dtype: torch.dtype = torch.float32) -> Callable | None:

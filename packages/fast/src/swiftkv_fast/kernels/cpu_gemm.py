@@ -9,37 +9,37 @@ count and keeps the faster.
 
 W is packed once. Where it is exactly of a compact form (kernels/weight_forms.py: 4-bit blocks, 8-bit
 blocks, values exact in bf16) the panels keep that form ("q4", "q8", "bf16": fewer bytes to stream,
-results bit-identical to the fp32 panels'), unless SWIFTKV_CPU_GEMM_4BIT=0. `amx=True` multiplies the
-4- or 8-bit panels on AMX tiles with exact products ("q4-amx", "q8-amx"). The packing of x may apply
-the op in front of the layer (`linear_after_norm`, `linear_after_silu_and_mul`), so that it costs
-neither a call nor a pass of its own.
+results bit-identical to the fp32 panels'), unless `gemm-4bit` is in SWIFTKV_DISABLED_KERNELS.
+`amx=True` multiplies the 4- or 8-bit panels on AMX tiles with exact products ("q4-amx", "q8-amx").
+The packing of x may apply the op in front of the layer (`linear_after_norm`,
+`linear_after_silu_and_mul`), so that it costs neither a call nor a pass of its own.
 
-Built by kernels/build.py; without a compiler, or with SWIFTKV_CPU_GEMM_KERNEL=0, `PanelWeight` raises
-RuntimeError and the chooser drops the candidate with one log line.
+Built by kernels/build.py; without a compiler, or with `gemm` in SWIFTKV_DISABLED_KERNELS,
+`PanelWeight` raises RuntimeError and the chooser drops the candidate with one log line.
 """
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import torch
 
+from swiftkv_fast import envs
 from swiftkv_fast.kernels import cpu_amx, native
 from swiftkv_fast.kernels._common import dense_rows
 from swiftkv_fast.kernels.weight_forms import FormMismatch, bf16_panels, q4_panels, q8_panels
 
-ENV_SWITCH = "SWIFTKV_CPU_GEMM_KERNEL"
-FOUR_BIT_SWITCH = "SWIFTKV_CPU_GEMM_4BIT"  # "0": keep every panel in fp32 (for comparisons)
+KERNEL = "gemm"  # its name in SWIFTKV_DISABLED_KERNELS (envs.py)
+COMPACT_KERNEL = "gemm-4bit"  # disabled: every panel in fp32 (for comparisons)
 PANEL = 16  # output columns per panel
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1") != "0"
+    return envs.kernel_enabled(KERNEL)
 
 
 def four_bit_enabled() -> bool:
-    return os.environ.get(FOUR_BIT_SWITCH, "1") != "0"
+    return envs.kernel_enabled(COMPACT_KERNEL)
 
 
 def _functions(avx512: bool) -> SimpleNamespace | None:
@@ -51,7 +51,7 @@ def _functions(avx512: bool) -> SimpleNamespace | None:
 def unavailable_reason(avx512: bool = True) -> str | None:
     """Why the panel GEMM cannot run here, or None when it can."""
     if not enabled():
-        return f"{ENV_SWITCH}=0"
+        return envs.disabled_reason(KERNEL)
     return None if _functions(avx512) is not None else "no C compiler, or its build failed"
 
 
@@ -70,7 +70,7 @@ class PanelWeight:
     `compact`: where W is exactly a 4-bit block-quantized weight (kernels/weight_forms.py), keep it in the
     4-bit layout (`format` "q4"), else where it is exactly 8-bit blocks (d q) in the 8-bit layout
     ("q8"), else where every value is exact in bf16 in the bf16 layout ("bf16"): the results are
-    bit-identical to the fp32 layout's (`format` "fp32"); None: unless SWIFTKV_CPU_GEMM_4BIT=0.
+    bit-identical to the fp32 layout's (`format` "fp32"); None: unless `gemm-4bit` is disabled.
     `amx`: multiply the panels on AMX tiles, 4-bit (`format` "q4-amx": exact products, fp32 sums; the
     same bytes) or 8-bit ("q8-amx", for a weight exactly 8-bit blocks); raises FormMismatch where W has
     neither form, RuntimeError where AMX cannot run here."""

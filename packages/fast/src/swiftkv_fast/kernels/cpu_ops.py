@@ -7,24 +7,23 @@ Why: each reads its input once and writes its output once, where the torch ops m
 over the rows and allocate a fresh output per op, and a decode step's ops are mostly dispatch.
 
 Each wrapper returns None (False for the in-place ones) when its kernel does not apply (not fp32 CPU
-rows of the layout it reads) or is unavailable: no compiler, or SWIFTKV_CPU_OPS_KERNEL=0 (read once,
-at the process's first op). Bad positions or slots raise ValueError with nothing written.
+rows of the layout it reads) or is unavailable: no compiler, or `ops` in SWIFTKV_DISABLED_KERNELS
+(read once, at the process's first op). Bad positions or slots raise ValueError with nothing written.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from swiftkv_fast import envs
 from swiftkv_fast.kernels import native
 
-ENV_SWITCH = "SWIFTKV_CPU_OPS_KERNEL"
+KERNEL = "ops"  # its name in SWIFTKV_DISABLED_KERNELS (envs.py)
 PARALLEL_MIN = 1 << 16  # elements below which a call runs on one thread (a parallel region costs ~us)
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1") != "0"
+    return envs.kernel_enabled(KERNEL)
 
 
 _resolved: list = []  # [the kernels or None], once per process: every op of every step asks

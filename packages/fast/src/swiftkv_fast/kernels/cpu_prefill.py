@@ -9,24 +9,24 @@ about n^2 / 2 scores, where an SDPA call on CPU computes whole key splits.
 
 Built per (head_dim, group, cache dtype) by kernels/build.py. `prefill_attention` returns None when
 the kernel does not apply (`supports`), cannot be built here, or is switched off
-(SWIFTKV_CPU_PREFILL_KERNEL=0): the caller keeps its SDPA path. Every request's lengths and block ids
+(`prefill` in SWIFTKV_DISABLED_KERNELS): the caller keeps its SDPA path. Every request's lengths and block ids
 are checked before any row is read; a bad one raises ValueError and nothing is written.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 
+from swiftkv_fast import envs
 from swiftkv_fast.kernels import build, cpu_decode, native
 
-ENV_SWITCH = "SWIFTKV_CPU_PREFILL_KERNEL"
+KERNEL = "prefill"  # its name in SWIFTKV_DISABLED_KERNELS (envs.py)
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1") != "0"
+    return envs.kernel_enabled(KERNEL)
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

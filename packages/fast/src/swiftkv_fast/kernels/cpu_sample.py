@@ -13,28 +13,27 @@ example).
 The layout of the generator's state (the byte offsets of `left`, `next` and the 624 words) and the
 draw itself are checked once per process against torch's own `exponential_` on generators in several
 states (`_self_check`): on a torch whose generator differs, the kernel is not used (one warning) and
-the sampler keeps torch's draw. SWIFTKV_CPU_SAMPLE_KERNEL=0 turns it off.
+the sampler keeps torch's draw. `sample` in SWIFTKV_DISABLED_KERNELS turns it off.
 
 `topk_values` (the same source) gives top-p its sorted prefix: the k largest values of each row.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from swiftkv_fast import envs
 from swiftkv_fast.kernels import native
 from swiftkv_fast.logger import init_logger
 
 logger = init_logger(__name__)
 
-ENV_SWITCH = "SWIFTKV_CPU_SAMPLE_KERNEL"
+KERNEL = "sample"  # its name in SWIFTKV_DISABLED_KERNELS (envs.py)
 STATE_BYTES = 5056  # len(torch.Generator().get_state()) on CPU: the serialized MT19937 and normal cache
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1") != "0"
+    return envs.kernel_enabled(KERNEL)
 
 
 _resolved: list = []  # [the kernel or None], once per process, after the self-check

@@ -64,6 +64,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from swiftkv_fast import envs
 from swiftkv_fast.kernels import build, cpu_amx, cpu_gemm
 from swiftkv_fast.kernels.cpu_amx import MATMUL_PRECISIONS, Bf16x3Weight
 from swiftkv_fast.kernels.cpu_amx_q4 import Q4AmxWeight
@@ -237,7 +238,7 @@ def machine_key() -> dict[str, object]:
     """What kernel timings depend on; a cache file measured under another key is not used. The C
     kernels' sources are part of it: a changed kernel is timed afresh."""
     flags = _cpuinfo_field("flags") or _cpuinfo_field("Features")
-    libraries = {v: os.environ.get(v, "") for v in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")}
+    libraries = {v: getattr(envs, v) for v in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")}
     return {
         "cpu": cpu_model(),
         "cpu_flags": hashlib.sha1(flags.encode()).hexdigest()[:12],

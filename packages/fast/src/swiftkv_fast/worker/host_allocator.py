@@ -3,9 +3,8 @@
 glibc serves an allocation above its mmap threshold (128 KiB, rising by itself to at most 32 MiB)
 with a fresh mmap and unmaps it again on free, and returns the top of the heap to the kernel past a
 trim threshold. A CPU step allocates and frees the same large activations every layer (a 4,096-token
-prefill's gate_up output alone is 50 MB), so each is first touched page by page again: measured on
-a 2-core AMD EPYC, `x * 2` on a 50 MB tensor took 39.5 ms with 12,800 page faults per call, and
-6.9 ms with none once both thresholds were raised to 1 GiB; a 9 MB one 6.3 ms against 1.6 ms.
+prefill's gate_up output alone is 50 MB), so each is first touched page by page again: page
+faults can cost more than the arithmetic on such a tensor.
 
 `tune_for_inference()` raises both thresholds with mallopt (once per process, before the engine
 allocates its buffers): memory the process freed is then kept and reused instead of being given back
@@ -18,14 +17,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import platform
 
+from swiftkv_fast import envs
 from swiftkv_fast.logger import init_logger
 
 logger = init_logger(__name__)
 
-ENV_SWITCH = "SWIFTKV_TUNE_MALLOC"
 THRESHOLD = 1 << 30  # bytes: allocations below it come from the heap, and a free heap top below it stays
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers (malloc.h)
 _applied: bool | None = None
@@ -37,8 +35,8 @@ def tune_for_inference() -> bool:
     if _applied is not None:
         return _applied
     _applied = False
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        logger.info("host allocator: left as it is (%s=0)", ENV_SWITCH)
+    if not envs.SWIFTKV_TUNE_MALLOC:
+        logger.info("host allocator: left as it is (SWIFTKV_TUNE_MALLOC=0)")
         return False
     if platform.libc_ver()[0] != "glibc":
         return False
@@ -56,10 +54,9 @@ def tune_for_inference() -> bool:
         return False
     _applied = True
     logger.info(
-        "host allocator: glibc keeps freed memory for reuse (mmap and trim thresholds %d MiB; %s=0 to "
-        "leave malloc alone)",
+        "host allocator: glibc keeps freed memory for reuse (mmap and trim thresholds %d MiB; "
+        "SWIFTKV_TUNE_MALLOC=0 to leave malloc alone)",
         THRESHOLD >> 20,
-        ENV_SWITCH,
     )
     return True
 

@@ -19,7 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-READY_TIMEOUT = 120  # seconds for a server to load its model and answer /health
+READY_TIMEOUT = 300  # seconds for a server to load its model and answer /health (a first start on a
+# busy 2-core machine times the linear kernels: a minute or more)
 STOP_TIMEOUT = 15
 URL = re.compile(r"serving .* on (http://127\.0\.0\.1:\d+)")
 

@@ -271,10 +271,8 @@ def app_engine(tiny):
     engine.shutdown(timeout=TIMEOUT)
 
 
-def test_max_waiting_refuses_with_503_and_retry_after(app_engine, monkeypatch):
-    """The engine is held inside the first request's step: the next two wait; with --max-waiting 2
-    the fourth is refused at once, then all three are served and new requests are accepted again."""
-    make_client, engine = app_engine
+def hold_steps(engine, monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """Every engine step waits inside the runner until `release` is set; `entered` says one has begun."""
     entered, release = threading.Event(), threading.Event()
     runner = engine.engine.runner
     real_execute = runner.execute
@@ -285,6 +283,14 @@ def test_max_waiting_refuses_with_503_and_retry_after(app_engine, monkeypatch):
         return real_execute(out)
 
     monkeypatch.setattr(runner, "execute", held_execute)
+    return entered, release
+
+
+def test_max_waiting_refuses_with_503_and_retry_after(app_engine, monkeypatch):
+    """The engine is held inside the first request's step: the next two wait; with --max-waiting 2
+    the fourth is refused at once, then all three are served and new requests are accepted again."""
+    make_client, engine = app_engine
+    entered, release = hold_steps(engine, monkeypatch)
     body = {"prompt": "abc", "max_tokens": 4, "temperature": 0}
 
     async def main():
@@ -343,16 +349,7 @@ def test_max_waiting_counts_sequences(app_engine, monkeypatch):
     """One request runs (held in its step) and one waits; with --max-waiting 3 a request of n=3 would
     make 4 waiting sequences: refused; one of n=2 makes 3: served."""
     make_client, engine = app_engine
-    entered, release = threading.Event(), threading.Event()
-    runner = engine.engine.runner
-    real_execute = runner.execute
-
-    def held_execute(out):
-        entered.set()
-        assert release.wait(TIMEOUT)
-        return real_execute(out)
-
-    monkeypatch.setattr(runner, "execute", held_execute)
+    entered, release = hold_steps(engine, monkeypatch)
     body = {"prompt": "abc", "max_tokens": 4, "temperature": 0}
 
     async def main():

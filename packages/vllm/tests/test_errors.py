@@ -18,36 +18,35 @@ def _edit_weights(path, edit) -> None:
     save_file(weights, path / "model.safetensors")
 
 
+def _refused_at_start(path, error: type[BaseException], match: str, **kwargs) -> None:
+    """Building an engine on `path` raises `error` matching `match`, before any request."""
+    with pytest.raises(error, match=match):
+        with engine(path, **kwargs):
+            pass
+
+
 def test_a_group_size_that_does_not_divide_the_swiftkv_layers_is_refused_in_the_reference_words(tmp_path):
     path, _, _ = write_checkpoint(tmp_path, **SWIFTKV)
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps(config | {"key_value_group_size": 3}))
-    with pytest.raises(
-        Exception, match=r"\(num_hidden_layers - num_key_value_layers\) % key_value_group_size"
-    ):
-        with engine(path):
-            pass
+    _refused_at_start(path, Exception, r"\(num_hidden_layers - num_key_value_layers\) % key_value_group_size")
 
 
 def test_a_missing_tensor_is_named(tmp_path):
     path, _, _ = write_checkpoint(tmp_path, **SWIFTKV)
     _edit_weights(path, lambda w: w.pop("model.layers.3.self_attn.q_proj_swiftkv.weight"))
-    with pytest.raises(
-        ValueError, match=r"missing 1 tensor.*model\.layers\.3\.self_attn\.q_proj_swiftkv\.weight"
-    ):
-        with engine(path):
-            pass
+    _refused_at_start(
+        path, ValueError, r"missing 1 tensor.*model\.layers\.3\.self_attn\.q_proj_swiftkv\.weight"
+    )
 
 
 def test_a_mis_shaped_tensor_is_named_with_both_shapes(tmp_path):
     path, _, _ = write_checkpoint(tmp_path, **SWIFTKV)
     name = "model.layers.2.self_attn.k_proj_swiftkv.weight"
     _edit_weights(path, lambda w: w.update({name: w[name][:16]}))
-    with pytest.raises(
-        ValueError, match=rf"{name.replace('.', '[.]')}' has shape \(16, 64\).*needs \(32, 64\)"
-    ):
-        with engine(path):
-            pass
+    _refused_at_start(
+        path, ValueError, rf"{name.replace('.', '[.]')}' has shape \(16, 64\).*needs \(32, 64\)"
+    )
 
 
 def test_the_teachers_projections_beside_the_swiftkv_ones_are_skipped(tmp_path):
@@ -61,9 +60,9 @@ def test_the_teachers_projections_beside_the_swiftkv_ones_are_skipped(tmp_path):
 
 def test_pipeline_parallelism_is_refused_by_name(tmp_path):
     path, _, _ = write_checkpoint(tmp_path, **SWIFTKV)
-    with pytest.raises(NotImplementedError, match="Pipeline parallelism is not supported"):
-        with engine(path, pipeline_parallel_size=2):
-            pass
+    _refused_at_start(
+        path, NotImplementedError, "Pipeline parallelism is not supported", pipeline_parallel_size=2
+    )
 
 
 def test_prompt_logprobs_with_fast_prefill_are_refused_and_served_without_it(tmp_path):

@@ -299,7 +299,7 @@ class SwiftKVModel(nn.Module):
             return self.second_half(positions, hidden)
         indices, num_rows = rows
         out = self.second_half(positions[indices], hidden[indices])
-        hidden = hidden.clone()
+        hidden = hidden.clone()  # the first half's output may be a compiled graph's reused buffer
         hidden[indices[:num_rows]] = out[:num_rows]  # other rows are never sampled
         return hidden
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from swiftkv_reference.memory import device_memory_bytes
 
+from swiftkv_fast import envs
 from swiftkv_fast.attention import BACKENDS
 from swiftkv_fast.attention.flash_backend import validate_block_size
 from swiftkv_fast.distributed.parallel_state import parse_init_method
@@ -26,7 +28,7 @@ DTYPES = {
 # what the KV cache may hold besides the model's dtype ("auto"): bf16 halves its bytes, and so the memory
 # decode attention reads (the torch backend's C kernels read it as fp32)
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32}
-# CPU linear kernels (model/linear_kernels.py): auto = chosen by measurement, or one forced everywhere
+# CPU linear kernels (kernels/linear_kernels.py): auto = chosen by measurement, or one forced everywhere
 LINEAR_KERNELS = ("auto", "linear", "matmul", "mkldnn", "panel", "bf16x3", "q4-amx", "panel-amx", "bf16-amx")
 
 
@@ -51,6 +53,9 @@ class EngineConfig:
     return_logits: bool = False  # keep the fp32 logits row of every sampled token on the output
     linear_kernel: str = "auto"  # CPU GEMM kernel (LINEAR_KERNELS): auto is timed once per machine, cached
     matmul_precision: str = "highest"  # MATMUL_PRECISIONS: "high" permits the bf16x3 kernel (CPU, AMX)
+    # C kernels this engine does not run (envs.KERNELS names, comma-separated or a sequence); None:
+    # SWIFTKV_DISABLED_KERNELS. Resolved to a frozenset.
+    disabled_kernels: str | Sequence[str] | frozenset[str] | None = None
     tensor_parallel_size: int = 1  # ranks the model is split over (rank 0 here, the others spawned)
     distributed_init_method: str | None = None  # tcp://HOST:PORT rank 0 serves; None: a free local port
 
@@ -89,6 +94,7 @@ class EngineConfig:
         self._check_backend()
         self._check_kv_cache_dtype()
         self._check_linear_kernel()
+        self._check_disabled_kernels()
         self._check_tensor_parallel()
         if self.kv_cache_memory is not None:
             self.check_kv_cache_fits(self.kv_cache_memory, "kv_cache_memory")
@@ -182,6 +188,18 @@ class EngineConfig:
                 f"linear_kernel={self.linear_kernel!r} is a CPU kernel; on device={self.device!r} every "
                 "linear layer runs F.linear: use 'auto' or 'linear'"
             )
+
+    def _check_disabled_kernels(self) -> None:
+        value = self.disabled_kernels
+        if value is None or isinstance(value, str):
+            self.disabled_kernels = envs.disabled_kernels(value)
+            return
+        if not all(isinstance(v, str) for v in value):
+            raise TypeError(f"disabled_kernels must be a comma-separated str or a sequence of str, got {value!r}")
+        unknown = set(value) - envs.KERNELS.keys()
+        if unknown:
+            raise ValueError(f"disabled_kernels: unknown {sorted(unknown)}; expected names from {sorted(envs.KERNELS)}")
+        self.disabled_kernels = frozenset(value)
 
     def _check_tensor_parallel(self) -> None:
         if self.distributed_init_method is not None:

@@ -13,7 +13,9 @@ not in KERNELS is refused with the list of known ones.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,12 +36,12 @@ def _flag(value: str) -> bool:
     return value != "0"
 
 
-def _kernel_list(value: str) -> frozenset[str]:
+def _kernel_list(value: str, what: str = "SWIFTKV_DISABLED_KERNELS") -> frozenset[str]:
     names = frozenset(n.strip().lower() for n in value.split(",") if n.strip())
     unknown = names - KERNELS.keys()
     if unknown:
         raise ValueError(
-            f"SWIFTKV_DISABLED_KERNELS={value!r}: unknown {sorted(unknown)}; "
+            f"{what}={value!r}: unknown {sorted(unknown)}; "
             f"expected names from {sorted(KERNELS)}"
         )
     return names
@@ -98,16 +100,39 @@ def __dir__() -> list[str]:
     return [*globals(), *VARIABLES]
 
 
+# an engine's own list while its kernel plan is built (EngineConfig.disabled_kernels), else None
+_DISABLED: ContextVar[frozenset[str] | None] = ContextVar("swiftkv_disabled_kernels", default=None)
+
+
+def disabled_kernels(value: str | None = None) -> frozenset[str]:
+    """The kernels switched off: those of `value` (comma-separated KERNELS names), else of the engine
+    whose plan is being built, else of SWIFTKV_DISABLED_KERNELS."""
+    if value is not None:
+        return _kernel_list(value, "disabled_kernels")
+    override = _DISABLED.get()
+    return override if override is not None else _kernel_list(os.environ.get("SWIFTKV_DISABLED_KERNELS", ""))
+
+
+@contextmanager
+def kernels_disabled(names: frozenset[str]) -> Iterator[None]:
+    """While the block runs (an engine's plan being built), `kernel_enabled` answers from `names`."""
+    token = _DISABLED.set(frozenset(names))
+    try:
+        yield
+    finally:
+        _DISABLED.reset(token)
+
+
 def kernel_enabled(name: str) -> bool:
-    """Whether the C kernel `name` (a KERNELS key) may run: not in SWIFTKV_DISABLED_KERNELS."""
+    """Whether the C kernel `name` (a KERNELS key) may run: not switched off (`disabled_kernels`)."""
     if name not in KERNELS:
         raise KeyError(f"{name!r} is not one of {sorted(KERNELS)}")
-    return name not in _kernel_list(os.environ.get("SWIFTKV_DISABLED_KERNELS", ""))
+    return name not in disabled_kernels()
 
 
 def disabled_reason(name: str) -> str:
     """The text that says `name` was switched off."""
-    return f"{name} in SWIFTKV_DISABLED_KERNELS"
+    return f"{name} in disabled_kernels"
 
 
 def markdown() -> str:

@@ -84,10 +84,16 @@ class LLM:
         interpreter exits). The LLM cannot generate afterwards."""
         self.llm_engine.shutdown()
 
-    def get_stats(self) -> dict[str, int | float | bool | None]:
+    def get_stats(self) -> dict[str, object]:
         """Engine counters: ``cuda_graph_replays``, ``eager_second_half_steps``, ``cuda_graph_enabled``,
-        ``cuda_graph_capture_s``, ``num_preemptions`` (see LLMEngine.get_stats)."""
+        ``cuda_graph_capture_s``, ``num_preemptions``, and the ``kernel_plan`` (see LLMEngine.get_stats)."""
         return self.llm_engine.get_stats()
+
+    def get_kernel_plan(self) -> dict[str, object]:
+        """Which implementation serves each op on this engine, chosen once when it was built (the table
+        the engine logs at start-up): {"device", "dtype", "kv_cache_dtype", "isa", "disabled_kernels",
+        "ops": {op: {"implementation", "note"}}}."""
+        return self.llm_engine.get_kernel_plan()
 
     # ---- generation ----------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ logprobs).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -42,15 +43,18 @@ TOP_P_CANDIDATES = 64
 TOP_P_MAX_CANDIDATES = 1024
 
 
-def _sorted_prefix(probs: torch.Tensor, k: int) -> torch.Tensor:
+def _sorted_prefix(probs: torch.Tensor, k: int, kernels: cpu_sample.SampleKernels | None) -> torch.Tensor:
     """(B, k): the k largest values of each row of probs (B, V) without NaN, descending."""
     if k == probs.shape[-1]:
         return torch.sort(probs, dim=-1, descending=True).values
-    values = cpu_sample.topk_values(probs, k)
-    return values if values is not None else torch.topk(probs, k, dim=-1).values
+    if kernels is not None:
+        return cpu_sample.topk_values(kernels, probs, k)
+    return torch.topk(probs, k, dim=-1).values
 
 
-def _apply_top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _apply_top_p(
+    x: torch.Tensor, top_p: torch.Tensor, kernels: cpu_sample.SampleKernels | None = None
+) -> torch.Tensor:
     """x (B, V) with the reference's top-p drop (sampling.py step 5) set to -inf; top_p: (B,) in (0, 1).
 
     The reference sorts each row's probabilities (descending, stable) and drops sorted position i when
@@ -70,7 +74,7 @@ def _apply_top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     todo = (~nan_rows).nonzero().squeeze(1)
     k = min(vocab, TOP_P_CANDIDATES)
     while todo.numel():
-        values = _sorted_prefix(probs[todo], k)  # (n, k)
+        values = _sorted_prefix(probs[todo], k, kernels)  # (n, k)
         cum = torch.cumsum(values, dim=-1)
         drop = (cum - values) >= top_p[todo, None]
         drop[:, 0] = False
@@ -101,12 +105,6 @@ def _mask_banned(logits: torch.Tensor, banned: list[list[int]] | None) -> torch.
     return logits.index_put((rows, cols), torch.tensor(float("-inf"), dtype=logits.dtype))
 
 
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    # (B, vocab) -> (B,) int64: the C kernel on CPU fp32 rows where it can be built (else None)
-    tokens = cpu_ops.argmax_rows(logits)
-    return tokens if tokens is not None else logits.argmax(dim=-1)
-
-
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -114,6 +112,8 @@ def sample(
     banned: list[list[int]] | None = None,
     *,
     full_logprobs: bool = True,
+    row_ops: SimpleNamespace | None = None,
+    sample_kernels: cpu_sample.SampleKernels | None = None,
 ) -> SamplerOutput:
     """logits: (B, vocab) fp32 rows on CPU; generators[i] is required for non-greedy rows.
 
@@ -122,15 +122,15 @@ def sample(
     masked row), while the returned logprobs stay log_softmax of the raw logits.
     full_logprobs=False: no (B, vocab) logprobs (None), only each row's chosen one, as its logit minus
     the row's logsumexp (equal to log_softmax's up to fp32 rounding); without a mask the argmax and
-    the logsumexp come from one kernel's passes over each row (kernels/cpu_ops.py)."""
+    the logsumexp come from one kernel's passes over each row (kernels/cpu_ops.py).
+    row_ops, sample_kernels: the C kernels the engine's plan chose (kernels/plan.py); None: torch."""
     raw = logits.float()
     logits = _mask_banned(raw, banned)  # raw itself when nothing is banned
     logprobs = torch.log_softmax(raw, dim=-1) if full_logprobs else None
-    fused = cpu_ops.argmax_logsumexp_rows(raw) if not full_logprobs and logits is raw else None
-    if fused is not None:
-        tokens, logsumexp = fused
+    if row_ops is not None and not full_logprobs and logits is raw:
+        tokens, logsumexp = cpu_ops.argmax_logsumexp_rows(row_ops, raw)
     else:
-        tokens = _argmax(logits)
+        tokens = cpu_ops.argmax_rows(row_ops, logits) if row_ops is not None else logits.argmax(dim=-1)
         logsumexp = None if full_logprobs else torch.logsumexp(raw, dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
@@ -144,10 +144,12 @@ def sample(
         top_p = torch.tensor([params[i].top_p for i in rows], dtype=logits.dtype)
         pr = (top_p < 1).nonzero().squeeze(1)
         if pr.numel():
-            x[pr] = _apply_top_p(x[pr], top_p[pr])
+            x[pr] = _apply_top_p(x[pr], top_p[pr], sample_kernels)
         probs = torch.softmax(x, dim=-1)
         row_generators = [generators[i] for i in rows]
-        drawn = cpu_sample.exponential_race(probs, row_generators)
+        drawn = None
+        if sample_kernels is not None:
+            drawn = cpu_sample.exponential_race(sample_kernels, probs, row_generators)
         tokens[sel] = drawn if drawn is not None else cpu_sample.torch_race(probs, row_generators)
     if full_logprobs:
         chosen = logprobs.gather(1, tokens[:, None])[:, 0]

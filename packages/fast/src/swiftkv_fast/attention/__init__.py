@@ -12,21 +12,24 @@ BACKENDS = ("auto", "torch", "triton", "flash_attn")
 __all__ = ["AttentionBackend", "AttentionMetadata", "TorchBackend", "BACKENDS", "get_attention_backend"]
 
 
-def get_attention_backend(name: str, device: torch.device | str, block_size: int) -> AttentionBackend:
+def get_attention_backend(
+    name: str, device: torch.device | str, block_size: int, plan=None
+) -> AttentionBackend:
     """`auto` is `torch` on CPU and `triton` on CUDA when it imports (else `torch`). `block_size`: of
-    the KV cache (flash_attn needs a multiple of 256)."""
+    the KV cache (flash_attn needs a multiple of 256). `plan`: the engine's kernel plan
+    (kernels/plan.py), whose C kernels the torch backend runs; None: torch alone."""
     device = torch.device(device)
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     if name == "auto":
         if device.type != "cuda":
-            return TorchBackend()
+            return get_attention_backend("torch", device, block_size, plan)
         try:
             return get_attention_backend("triton", device, block_size)
         except (ImportError, RuntimeError):
-            return TorchBackend()
+            return get_attention_backend("torch", device, block_size, plan)
     if name == "torch":
-        return TorchBackend()
+        return TorchBackend() if plan is None else TorchBackend.for_plan(plan)
     if name == "triton":
         try:
             from swiftkv_fast.attention.triton_backend import TritonBackend

@@ -4,23 +4,23 @@ Requests are batched by padding: each request's blocks are gathered into a dense
 queries into (R, max_q), and causal / sliding-window / padding masks are built as tensors. Single-query
 requests of a mixed batch go through the decode path so one long prompt does not pad every decode.
 
-Decode on CPU in fp32 runs the compiled C kernel of kernels/cpu_decode.py: it reads each K/V row once
-straight from the cache blocks (no gathered copy, no SDPA for 3-query problems); a bf16 cache
-(kv_cache_dtype) it reads as fp32, exactly. Where it does not apply (CUDA, fp16/bf16 queries, an odd
-head_dim, no C compiler, `TorchBackend(compiled_decode=False)`), decode gathers exactly the context slots (one
+The C kernels the engine's plan chose (kernels/plan.py: on CPU in fp32, for the model's head shape)
+are handed to the constructor; without them every path below is torch. Decode with the C kernel of
+kernels/cpu_decode.py reads each K/V row once straight from the cache blocks (no gathered copy, no SDPA
+for 3-query problems); a bf16 cache (kv_cache_dtype) it reads as fp32, exactly. Without it, decode
+gathers exactly the context slots (one
 `index_select` per K and V, the indices and the mask built once per step: `DecodePlan`, kept in
 `meta.backend_cache` and shared by every layer of the group), and serves GQA by viewing the query
 heads of one KV head as that head's queries: (R, kv_heads, group, D) against (R, kv_heads, max_kv, D),
 so K/V are never repeated. Requests are attended in chunks whose gathered K/V fit in L2
 (DECODE_CHUNK_BYTES), so SDPA reads them from cache rather than memory.
 
-KV writes on CPU in fp32 copy (or round to a bf16 cache) each token's rows to its slot in one C call
-(kernels/cpu_ops.py write_kv); elsewhere two index_copy_ calls. A cache of another dtype than the
+KV writes with the plan's row ops copy (or round to a bf16 cache) each token's rows to its slot in one C
+call (kernels/cpu_ops.py write_kv); elsewhere two index_copy_ calls. A cache of another dtype than the
 queries' is cast to theirs where SDPA reads it.
 
-Prompt rows on CPU in fp32 run the compiled C kernel of kernels/cpu_prefill.py: every request's
-queries in tiles that read only the keys they see, straight from the blocks. Where it does not apply
-(no compiler, another dtype, `TorchBackend(compiled_prefill=False)`), one of two SDPA paths runs. One
+Prompt rows with the C kernel of kernels/cpu_prefill.py run every request's queries in tiles that read
+only the keys they see, straight from the blocks. Without it, one of two SDPA paths runs. One
 padded SDPA call computes R x max_q x max_kv scores (causal without a mask tensor only when every
 prompt is fresh and there is no window; otherwise under a mask, which SDPA runs slower per score).
 One call per request computes only its own n x s scores, causal where that request is fresh, and
@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -193,14 +195,24 @@ class TorchBackend(AttentionBackend):
     name = "torch"
     supports_cuda_graph = False  # decode sizes its gather with int(seq_lens.max()): a host sync
 
-    def __init__(self, compiled_decode: bool = True, compiled_prefill: bool = True):
-        # the C kernels where they apply (kernels/cpu_decode.py, kernels/cpu_prefill.py)
-        self.compiled_decode = compiled_decode
-        self.compiled_prefill = compiled_prefill
+    def __init__(
+        self,
+        decode_kernel: Callable | None = None,
+        prefill_kernel: Callable | None = None,
+        row_ops: SimpleNamespace | None = None,
+    ):
+        """The plan's C kernels (kernels/plan.py), each None for the torch path: decode_kernel and
+        prefill_kernel built for the model's heads and cache dtype, row_ops for the KV writes."""
+        self.decode_kernel, self.prefill_kernel, self.row_ops = decode_kernel, prefill_kernel, row_ops
+
+    @classmethod
+    def for_plan(cls, plan) -> TorchBackend:
+        return cls(plan.decode_attention, plan.prefill_attention, plan.row_ops)
 
     def write_kv(self, kv_cache, k, v, slot_mapping):
         # kv_cache: (n_layers, 2, num_blocks, block_size, kv_heads, head_dim); k, v: (T, n_layers, kvh, hd)
-        if kv_cache.is_cpu and cpu_ops.write_kv(kv_cache, k, v, slot_mapping):
+        if self.row_ops is not None:
+            cpu_ops.write_kv(self.row_ops, kv_cache, k, v, slot_mapping)
             return  # one C call: per-row torch calls would cost more than the copies
         n_layers, _, num_blocks, block_size = kv_cache.shape[:4]
         flat = kv_cache.view(n_layers, 2, num_blocks * block_size, *kv_cache.shape[4:])
@@ -213,9 +225,10 @@ class TorchBackend(AttentionBackend):
 
     def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, window, scale):
         if meta.max_query_len == 1:
-            out = self._compiled_decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, window, scale)
-            if out is not None:
-                return out
+            if self.decode_kernel is not None:
+                return cpu_decode.decode_attention(
+                    self.decode_kernel, q, k_cache, v_cache, meta.seq_lens, meta.block_tables, window, scale
+                )
             # every layer of the group decodes the same requests: one plan per step and window
             key = ("decode_plan", window)
             plan = meta.backend_cache.get(key)
@@ -248,12 +261,11 @@ class TorchBackend(AttentionBackend):
 
     def _prefill_prompts(self, q, k_cache, v_cache, meta, q_lens, window, scale):
         # q: (T, H, D), the prompt rows of meta's requests (none has a single query unless all do)
-        if self.compiled_prefill:
-            out = cpu_prefill.prefill_attention(
-                q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, window, scale
+        if self.prefill_kernel is not None:
+            return cpu_prefill.prefill_attention(
+                self.prefill_kernel, q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+                window, scale,
             )
-            if out is not None:
-                return out
         if q.is_cpu:
             lens, kv_lens = q_lens.tolist(), meta.seq_lens.tolist()
             cost = sdpa_cost(q.shape[1], k_cache.shape[2], q.shape[2], q.dtype)
@@ -318,13 +330,9 @@ class TorchBackend(AttentionBackend):
 
     def decode(self, q, k_cache, v_cache, seq_lens, block_tables, window, scale):
         # q: (R, H, D)
-        out = self._compiled_decode(q, k_cache, v_cache, seq_lens, block_tables, window, scale)
-        if out is not None:
-            return out
+        if self.decode_kernel is not None:
+            return cpu_decode.decode_attention(
+                self.decode_kernel, q, k_cache, v_cache, seq_lens, block_tables, window, scale
+            )
         plan = decode_plan(seq_lens, block_tables, k_cache.shape[1], window)
         return _decode_attention(q, k_cache, v_cache, plan, scale)
-
-    def _compiled_decode(self, q, k_cache, v_cache, seq_lens, block_tables, window, scale):
-        if not self.compiled_decode:
-            return None
-        return cpu_decode.decode_attention(q, k_cache, v_cache, seq_lens, block_tables, window, scale)

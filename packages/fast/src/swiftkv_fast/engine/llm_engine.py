@@ -185,11 +185,20 @@ class LLMEngine:
                 req.output_text = self.detokenize(req.output_token_ids)
         return finished
 
-    def get_stats(self) -> dict[str, int | float | bool | None]:
+    def get_stats(self) -> dict[str, object]:
         """Counters since the engine was built: ``cuda_graph_replays`` (second-half steps replayed from a
         CUDA graph), ``eager_second_half_steps`` (second-half steps run eagerly), ``cuda_graph_enabled``,
-        ``cuda_graph_capture_s`` (None before capture), ``num_preemptions``."""
-        return {**self.runner.graphs.stats(), "num_preemptions": self.scheduler.num_preemptions}
+        ``cuda_graph_capture_s`` (None before capture), ``num_preemptions``; and ``kernel_plan``
+        (`get_kernel_plan`)."""
+        return {
+            **self.runner.graphs.stats(),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "kernel_plan": self.get_kernel_plan(),
+        }
+
+    def get_kernel_plan(self) -> dict[str, object]:
+        """Which kernel serves each op (kernels/plan.py), chosen when the engine was built (rank 0's)."""
+        return self.runner.plan.as_dict()
 
     def abort_request(self, request_id: str) -> Request | None:
         """Abort one unfinished request between steps and free its blocks; returns it, or None when no

@@ -90,9 +90,11 @@ def build_app(engine: AsyncLLM, config: ServerConfig, registry: CollectorRegistr
             ).response()
         return Response(status_code=200)
 
+    kernel_plan = engine.engine.get_kernel_plan()  # fixed for the engine's lifetime
+
     @app.get("/version")
     async def version():
-        return {"version": __version__}
+        return {"version": __version__, "kernel_plan": kernel_plan}
 
     @app.get("/metrics")
     async def metrics():

@@ -1,5 +1,5 @@
 """y = x W^T (+ b) on CPU with Intel AMX tiles (csrc/amx_gemm.c): the `bf16x3` candidate of
-model/linear_kernels.py, offered only when EngineConfig.matmul_precision is "high", and `bf16-amx`.
+kernels/linear_kernels.py, offered only when EngineConfig.matmul_precision is "high", and `bf16-amx`.
 
 bf16x3: every fp32 value is split into two bf16 values hi + lo, and a product is a_hi b_hi + a_hi b_lo
 + a_lo b_hi in fp32 sums (the a_lo b_lo term, about 2^-16 of it, is dropped): what

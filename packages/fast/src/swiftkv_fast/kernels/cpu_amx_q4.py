@@ -1,6 +1,6 @@
 """y = x W^T (+ b) on CPU with Intel AMX tiles for a weight that is exactly 4-bit blocks
 (kernels/weight_forms.py: W = d q + m per 32 inputs of an output row, codes q in [0, 16)), in fp32
-arithmetic (csrc/amx_q4_gemm.c): the `q4-amx` candidate of model/linear_kernels.py, permitted at the
+arithmetic (csrc/amx_q4_gemm.c): the `q4-amx` candidate of kernels/linear_kernels.py, permitted at the
 "highest" float32 matmul precision.
 
 Every product is exact (the codes are exact in bf16, and each fp32 input is split into three bf16

@@ -7,10 +7,10 @@ each row read. The kernel is bound by those reads, so a bf16 cache (kv_cache_dty
 it faster. Larger blocks read faster too (`LLM(block_size=128)` suits long contexts); the default stays
 16 because prefix-cache hits and sliding-window frees come in whole blocks.
 
-Built per (head_dim, group, cache dtype) by kernels/build.py. `decode_attention` returns None when
-the kernel does not apply (`supports`), cannot be built here, or is switched off
-(`decode` in SWIFTKV_DISABLED_KERNELS): the caller keeps its gather + SDPA path. A seq_len beyond its block
-table or a block id outside the cache raises ValueError before that request's rows are read.
+Built per (head_dim, group, cache dtype) by kernels/build.py; the kernel plan (kernels/plan.py) picks
+it once per engine where it applies (`supports_shape`, fp32 queries on CPU) and is not switched off
+(`decode` in disabled_kernels). A seq_len beyond its block table or a block id outside the cache raises
+ValueError before that request's rows are read.
 """
 
 from __future__ import annotations
@@ -35,19 +35,6 @@ def supports_shape(head_dim: int, group: int) -> bool:
     return head_dim % 8 == 0 and head_dim <= 256 and 1 <= group <= MAX_GROUP
 
 
-def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """The kernel applies: fp32 CPU queries, an fp32 or bf16 CPU cache, a supported head shape."""
-    head_dim, kv_heads = k_cache.shape[-1], k_cache.shape[-2]
-    return (
-        q.is_cpu
-        and k_cache.is_cpu
-        and q.dtype == torch.float32
-        and build.kv_bf16(k_cache.dtype) is not None
-        and q.shape[1] % kv_heads == 0
-        and supports_shape(head_dim, q.shape[1] // kv_heads)
-    )
-
-
 def kernel(head_dim: int, group: int, kv_dtype: torch.dtype = torch.float32) -> Callable | None:
     """The built kernel for this (head_dim, group) and a cache of `kv_dtype` (fp32 or bf16); None when it
     cannot be built or loaded here (logged once) or is switched off."""
@@ -65,13 +52,15 @@ def paged_inputs(
     v_cache: torch.Tensor,
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """What the paged C kernels (this one and kernels/cpu_prefill.py) read: q (..., H, D) with dense
-    heads, seq_lens int32 contiguous, block_tables int32 with unit column stride; None when the cache
-    blocks' rows are not dense (not a layout the engine makes)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the paged C kernels (this one and kernels/cpu_prefill.py) read: q (..., H, D) fp32 with dense
+    heads, seq_lens int32 contiguous, block_tables int32 with unit column stride. ValueError for what
+    the engine never passes: another dtype, cache blocks whose rows are not dense."""
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    if q.dtype != torch.float32 or not q.is_cpu or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"paged attention kernels: fp32 CPU queries, got {q.dtype} on {q.device}")
     if k_cache.stride()[1:] != (kv_heads * head_dim, head_dim, 1) or v_cache.stride() != k_cache.stride():
-        return None
+        raise ValueError("paged attention kernels: the cache blocks' rows are not dense")
     if q.stride()[-2:] != (head_dim, 1):
         q = q.contiguous()
     block_tables = block_tables.to(torch.int32)
@@ -81,6 +70,7 @@ def paged_inputs(
 
 
 def decode_attention(
+    fn: Callable,
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -90,21 +80,10 @@ def decode_attention(
     scale: float,
 ) -> torch.Tensor | None:
     """q: (R, H, D) fp32; k_cache, v_cache: (num_blocks, block_size, kv_heads, D) fp32 or bf16; seq_lens
-    (R,) int; block_tables (R, max_blocks) int -> (R, H, D), or None when the kernel does not apply here
-    (`supports`) or is unavailable."""
-    if not supports(q, k_cache):
-        return None
+    (R,) int; block_tables (R, max_blocks) int -> (R, H, D). `fn`: `kernel(D, H / kv_heads, cache dtype)`."""
     num_reqs, num_heads, head_dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
-    if v_cache.dtype != k_cache.dtype:
-        return None
-    fn = kernel(head_dim, num_heads // kv_heads, k_cache.dtype)
-    if fn is None:
-        return None
-    inputs = paged_inputs(q, k_cache, v_cache, seq_lens, block_tables)
-    if inputs is None:
-        return None
-    q, seq_lens, block_tables = inputs
+    q, seq_lens, block_tables = paged_inputs(q, k_cache, v_cache, seq_lens, block_tables)
     out = torch.empty((num_reqs, num_heads, head_dim), dtype=q.dtype)
     fn(
         q.data_ptr(),

@@ -1,5 +1,5 @@
 """y = x W^T (+ b) on CPU in fp32 as a C kernel over W packed in panels of 16 output columns
-(csrc/panel_gemm.c): the `panel` and `panel-amx` candidates of model/linear_kernels.py.
+(csrc/panel_gemm.c): the `panel` and `panel-amx` candidates of kernels/linear_kernels.py.
 
 Why: a decode GEMM of a few rows reads its weight from memory every step (the model's weights do not
 fit in cache), and the libraries' kernels, tuned for large products, do not overlap those reads with

@@ -7,10 +7,10 @@ window, if any). Keys and values are read from the cache blocks through the bloc
 padding between requests and no mask tensor, flash-style in tiles: a causal prompt of n tokens costs
 about n^2 / 2 scores, where an SDPA call on CPU computes whole key splits.
 
-Built per (head_dim, group, cache dtype) by kernels/build.py. `prefill_attention` returns None when
-the kernel does not apply (`supports`), cannot be built here, or is switched off
-(`prefill` in SWIFTKV_DISABLED_KERNELS): the caller keeps its SDPA path. Every request's lengths and block ids
-are checked before any row is read; a bad one raises ValueError and nothing is written.
+Built per (head_dim, group, cache dtype) by kernels/build.py; the kernel plan (kernels/plan.py) picks it
+once per engine where it applies (`supports_shape`, fp32 queries on CPU) and is not switched off
+(`prefill` in disabled_kernels). Every request's lengths and block ids are checked before any row is
+read; a bad one raises ValueError and nothing is written.
 """
 
 from __future__ import annotations
@@ -29,11 +29,10 @@ def enabled() -> bool:
     return envs.kernel_enabled(KERNEL)
 
 
-def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """The kernel applies: where the decode kernel does (fp32 CPU queries, an fp32 or bf16 cache, group
-    at most cpu_decode.MAX_GROUP, head_dim at most 256) and head_dim is a multiple of 16 (whole
-    output-column blocks of the P V product)."""
-    return cpu_decode.supports(q, k_cache) and k_cache.shape[-1] % 16 == 0
+def supports_shape(head_dim: int, group: int) -> bool:
+    """Where the decode kernel is built (cpu_decode.supports_shape) and head_dim is a multiple of 16
+    (whole output-column blocks of the P V product)."""
+    return cpu_decode.supports_shape(head_dim, group) and head_dim % 16 == 0
 
 
 def kernel(
@@ -55,6 +54,7 @@ def kernel(
 
 
 def prefill_attention(
+    fn: Callable,
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -63,26 +63,13 @@ def prefill_attention(
     block_tables: torch.Tensor,
     window: int | None,
     scale: float,
-    *,
-    avx512: bool = True,
-) -> torch.Tensor | None:
+) -> torch.Tensor:
     """q: (T, H, D) fp32, request r's queries rows [cu_seqlens_q[r], cu_seqlens_q[r + 1]) at the last
     positions of its seq_lens[r]; k_cache, v_cache: (num_blocks, block_size, kv_heads, D); block_tables
-    (R, max_blocks) int -> (T, H, D), or None when the kernel does not apply here (`supports`) or is
-    unavailable."""
-    if not supports(q, k_cache):
-        return None
+    (R, max_blocks) int -> (T, H, D). `fn`: `kernel(D, H / kv_heads, kv_dtype=cache dtype)`."""
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
-    if v_cache.dtype != k_cache.dtype:
-        return None
-    fn = kernel(head_dim, num_heads // kv_heads, avx512, k_cache.dtype)
-    if fn is None:
-        return None
-    inputs = cpu_decode.paged_inputs(q, k_cache, v_cache, seq_lens, block_tables)
-    if inputs is None:
-        return None
-    q, seq_lens, block_tables = inputs
+    q, seq_lens, block_tables = cpu_decode.paged_inputs(q, k_cache, v_cache, seq_lens, block_tables)
     cu = cu_seqlens_q.to(torch.int32).contiguous()
     num_reqs = seq_lens.shape[0]
     if cu.shape[0] != num_reqs + 1 or int(cu[-1]) != num_tokens or int(cu[0]) != 0:

@@ -12,17 +12,20 @@ example).
 
 The layout of the generator's state (the byte offsets of `left`, `next` and the 624 words) and the
 draw itself are checked once per process against torch's own `exponential_` on generators in several
-states (`_self_check`): on a torch whose generator differs, the kernel is not used (one warning) and
-the sampler keeps torch's draw. `sample` in SWIFTKV_DISABLED_KERNELS turns it off.
+states (`_self_check`): on a torch whose generator differs, `load` returns None (one warning) and the
+sampler keeps torch's draw. The kernel plan (kernels/plan.py) loads it once per engine unless `sample`
+is in its disabled kernels.
 
 `topk_values` (the same source) gives top-p its sorted prefix: the k largest values of each row.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
-from swiftkv_fast import envs
 from swiftkv_fast.kernels import native
 from swiftkv_fast.logger import init_logger
 
@@ -32,55 +35,50 @@ KERNEL = "sample"  # its name in SWIFTKV_DISABLED_KERNELS (envs.py)
 STATE_BYTES = 5056  # len(torch.Generator().get_state()) on CPU: the serialized MT19937 and normal cache
 
 
-def enabled() -> bool:
-    return envs.kernel_enabled(KERNEL)
+@dataclass(frozen=True)
+class SampleKernels:
+    race: Callable  # the exponential race, checked against torch's draw
+    topk_values: Callable
 
 
-_resolved: list = []  # [the kernel or None], once per process, after the self-check
+_checked: dict[int, bool] = {}  # id of a loaded library -> its race reproduces torch's draw here
 
 
-def _kernel():
-    if not _resolved:
-        kernels = native.load("sample") if enabled() else None
-        race = None if kernels is None else kernels.exponential_race
-        if race is not None and not _self_check(race):
-            race = None
-        _resolved.append(race)
-    return _resolved[0]
-
-
-def exponential_race(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor | None:
-    """(B,) int64: per row b, (probs[b] / q).argmax() with q = torch.empty_like(probs[b]).exponential_(
-    generator=generators[b]), and generators[b] advanced exactly as that draw advances it. probs:
-    (B, V) fp32 CPU rows (any row stride). None, with every generator untouched, when the kernel does
-    not apply (not fp32 CPU rows, a generator not on the CPU) or is unavailable."""
-    if not (probs.is_cpu and probs.dtype == torch.float32 and probs.dim() == 2 and probs.stride(1) == 1):
-        return None
-    if len(generators) != probs.shape[0] or probs.shape[1] == 0:
-        return None
-    if any(g is None or g.device.type != "cpu" for g in generators):
-        return None
-    race = _kernel()
-    if race is None:
-        return None
-    return _run(race, probs, generators)
-
-
-def topk_values(x: torch.Tensor, k: int) -> torch.Tensor | None:
-    """torch.topk(x, k, dim=-1).values for fp32 CPU rows x (B, V) without NaN, 1 <= k <= V: (B, k), each
-    row descending; None when the kernel does not apply or is unavailable. Top-p's sorted prefix
-    (sampler.py): a heap pass over each row."""
-    if not (x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1):
-        return None
-    if not 1 <= k <= x.shape[1] or not enabled():
-        return None
+def load() -> SampleKernels | None:
+    """The built kernels, or None where they cannot be built or their race does not reproduce torch's
+    draw on this torch (checked once per process)."""
     kernels = native.load("sample")
     if kernels is None:
         return None
+    if id(kernels) not in _checked:
+        _checked[id(kernels)] = _self_check(kernels.exponential_race)
+    return SampleKernels(kernels.exponential_race, kernels.topk_values) if _checked[id(kernels)] else None
+
+
+def exponential_race(
+    kernels: SampleKernels, probs: torch.Tensor, generators: list[torch.Generator]
+) -> torch.Tensor | None:
+    """(B,) int64: per row b, (probs[b] / q).argmax() with q = torch.empty_like(probs[b]).exponential_(
+    generator=generators[b]), and generators[b] advanced exactly as that draw advances it. probs:
+    (B, V) fp32 CPU rows (any row stride). None, with every generator untouched, for a generator not on
+    the CPU or whose state is not torch's CPU layout (the caller then draws with torch)."""
+    if not (probs.is_cpu and probs.dtype == torch.float32 and probs.dim() == 2):
+        raise ValueError(f"exponential_race: fp32 CPU (B, V) rows, got {probs.dtype} {tuple(probs.shape)}")
+    if len(generators) != probs.shape[0] or probs.shape[1] == 0:
+        raise ValueError(f"exponential_race: {len(generators)} generators for {tuple(probs.shape)} rows")
+    if any(g is None or g.device.type != "cpu" for g in generators):
+        return None
+    return _run(kernels.race, probs if probs.stride(1) == 1 else probs.contiguous(), generators)
+
+
+def topk_values(kernels: SampleKernels, x: torch.Tensor, k: int) -> torch.Tensor:
+    """torch.topk(x, k, dim=-1).values for fp32 CPU rows x (B, V) without NaN, 1 <= k <= V: (B, k), each
+    row descending. Top-p's sorted prefix (sampler.py): a heap pass over each row."""
+    if not (x.is_cpu and x.dtype == torch.float32 and x.dim() == 2) or not 1 <= k <= x.shape[1]:
+        raise ValueError(f"topk_values: fp32 CPU (B, V) rows and 1 <= k <= V, got {x.dtype} {tuple(x.shape)}, {k}")
+    x = x if x.stride(1) == 1 else x.contiguous()
     out = torch.empty(x.shape[0], k, dtype=torch.float32)
-    kernels.topk_values(
-        x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], k, out.data_ptr(), torch.get_num_threads()
-    )
+    kernels.topk_values(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], k, out.data_ptr(), torch.get_num_threads())
     return out
 
 

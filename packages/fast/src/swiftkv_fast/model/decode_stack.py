@@ -4,7 +4,7 @@ applies; the model (model/swiftkv_model.py) runs its layers one op at a time eve
 It applies on CPU in fp32 without tensor parallelism, with the torch attention backend's compiled decode
 path, to a batch whose every row is one request's one token (the second half always; the first half in
 a step of decodes only). Where the linear kernels are chosen by measurement, every linear keeps a
-panel GEMM layout and model/stack_timing.py times the stack against the per-op path at each decode
+panel GEMM layout and worker/stack_timing.py times the stack against the per-op path at each decode
 row bucket on this machine (`decide`): the stack runs where it was faster, whatever each linear's
 own fastest kernel is (the stack can win a step while a library wins each linear timed alone: it
 saves the per-op calls between them). Where a kernel is forced, the stack runs at a row count when
@@ -35,6 +35,7 @@ class DecodeStack:
         self,
         layers: Sequence,
         *,
+        kernel,
         writes_kv: bool,
         kv_slot: Sequence[int],
         num_heads: int,
@@ -58,6 +59,7 @@ class DecodeStack:
         # None, or (len(TIMED_PHASES),) float64 on CPU: each run adds the seconds of its GEMMs, attention
         # and RoPE + KV writes (kernels/cpu_decode_stack.py TIMED_PHASES; bench/step_profile.py sets it)
         self.timings: torch.Tensor | None = None
+        self._kernel = kernel  # kernels/cpu_decode_stack.py `kernel(head_dim, group, kv_dtype)`, the plan's
         self._fn = self._structs = None  # the kernel and its layer table (`_build`)
         self._keep: list[torch.Tensor] = []  # the norms' and biases' own copies the table points at
         self.ready()  # built now where it can run, rather than at a first decode step
@@ -71,9 +73,7 @@ class DecodeStack:
             shapes_ok = shapes_ok and build.kv_bf16(self.kv_dtype) is not None
             if not (self.layers and shapes_ok and all(self._fits(lw) for lw in self.layers)):
                 return False
-            self._fn = kernel_module.kernel(self.head_dim, group, self.kv_dtype)
-            if self._fn is None:
-                return False
+            self._fn = self._kernel
             self._structs = (StackLayer * len(self.layers))(
                 *(self._layer(lw, self._kv_slot[lw.cache_layer]) for lw in self.layers)
             )
@@ -135,7 +135,7 @@ class DecodeStack:
         return panels and self._build()
 
     def decide(self, runs: dict[int, bool]) -> None:
-        """Measured decisions {bucket: runs} (model/stack_timing.py): `rows` rows use the first bucket
+        """Measured decisions {bucket: runs} (worker/stack_timing.py): `rows` rows use the first bucket
         >= rows; above the last one the stack does not run."""
         self._decided = sorted(runs.items())
         self._runs_at.clear()
@@ -223,17 +223,11 @@ class DecodeStack:
         return t.data_ptr()
 
     def applies(self, h: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-        """The tensors are what the C call reads: fp32 CPU h (T, hidden) contiguous, a cache of the dtype it
-        was built for with dense rows, and the panel GEMM at T rows for every linear."""
-        if not (h.is_cpu and h.dtype == torch.float32 and h.is_contiguous() and h.dim() == 2):
-            return False
-        if not self.layers or h.shape[1] != self.layers[0].input_norm.shape[0]:
-            return False
-        if kv_cache.dtype != self.kv_dtype or not kv_cache.is_cpu or not self.runs_at(h.shape[0]):
-            return False
-        block_size = kv_cache.shape[3]
-        row = self.num_kv_heads * self.head_dim
-        return kv_cache.stride()[3:] == (row, self.head_dim, 1) and kv_cache.stride(2) == block_size * row
+        """The stack serves this batch of decode rows h (T, hidden): decided per row bucket (`runs_at`).
+        h and kv_cache are the engine's (fp32 h, the cache it was built for); ValueError otherwise."""
+        if not (h.dtype == torch.float32 and h.is_contiguous() and kv_cache.dtype == self.kv_dtype):
+            raise ValueError(f"decode stack: fp32 contiguous rows and a {self.kv_dtype} cache, got {h.dtype}")
+        return self.runs_at(h.shape[0])
 
 
 def stack_panel(lin: Linear) -> PanelWeight | None:

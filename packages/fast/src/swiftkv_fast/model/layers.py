@@ -1,19 +1,35 @@
-"""Small layers: Linear (its kernel chosen per row count, model/linear_kernels.py; `after_norm` and
+"""Small layers: Linear (its kernel chosen per row count, kernels/linear_kernels.py; `after_norm` and
 `after_silu_and_mul` also run the op in front of it, fused into the panel GEMM where that kernel
 runs), RMSNorm (and the residual add fused in front of it), RoPE (cos/sin table, applied in place),
-SiLU-and-mul. On CPU in fp32 the last three run as C kernels (kernels/cpu_ops.py) where they can be
-built; the torch code here is the portable path and their specification."""
+SiLU-and-mul. The torch code here is their specification and the portable path; `RowOps` runs the C
+kernels of kernels/cpu_ops.py instead where the engine's kernel plan chose them."""
 
 from __future__ import annotations
 
 from bisect import bisect_left
+from functools import partial
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
 from swiftkv_fast.kernels import cpu_ops
 from swiftkv_fast.kernels.cpu_gemm import PanelWeight
-from swiftkv_fast.model.linear_kernels import KERNELS, KernelChoice, nbytes
+from swiftkv_fast.kernels.linear_kernels import KERNELS, KernelChoice, nbytes
+
+
+class RowOps:
+    """RMSNorm with the residual add, SiLU-and-mul and in-place RoPE as one engine runs them: the C
+    kernels of `lib` (kernels/cpu_ops.py, the plan's `row_ops`), or the torch functions of this module
+    when `lib` is None."""
+
+    def __init__(self, lib: SimpleNamespace | None = None):
+        self.lib = lib
+        if lib is None:
+            self.add_rms_norm, self.silu_and_mul = add_rms_norm, silu_and_mul
+        else:
+            self.add_rms_norm = partial(cpu_ops.add_rms_norm, lib)
+            self.silu_and_mul = partial(cpu_ops.silu_and_mul, lib)
 
 
 class Linear:
@@ -23,12 +39,17 @@ class Linear:
     LinearKernelChooser picks them by measurement); without one, F.linear on W as it is.
     """
 
-    __slots__ = ("in_features", "out_features", "bias", "layouts", "plan", "_bounds", "_runs", "_panels")
+    __slots__ = ("in_features", "out_features", "bias", "layouts", "plan", "ops", "_bounds", "_runs", "_panels")
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, choice: KernelChoice | None = None
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        choice: KernelChoice | None = None,
+        ops: RowOps | None = None,
     ):
         choice = choice or KernelChoice.single("linear", weight)
+        self.ops = ops or TORCH_OPS  # the norm / SiLU in front of it (after_norm, after_silu_and_mul)
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.layouts, self.plan = choice.layouts, choice.plan
@@ -64,7 +85,7 @@ class Linear:
         panel = self._panels[bisect_left(self._bounds, h.shape[0])]
         if panel is not None:
             return panel.linear_after_norm(h, delta, norm_weight, eps, self.bias)
-        return self(add_rms_norm(h, delta, norm_weight, eps))
+        return self(self.ops.add_rms_norm(h, delta, norm_weight, eps))
 
     def after_silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """self(silu_and_mul(gate_up)), fused into the panel GEMM's packing where it runs (as after_norm).
@@ -72,7 +93,7 @@ class Linear:
         panel = self._panels[bisect_left(self._bounds, gate_up.shape[0])]
         if panel is not None:
             return panel.linear_after_silu_and_mul(gate_up, self.bias)
-        return self(silu_and_mul(gate_up))
+        return self(self.ops.silu_and_mul(gate_up))
 
 
 def add_rms_norm(
@@ -80,8 +101,6 @@ def add_rms_norm(
 ) -> torch.Tensor:
     """A residual add, then the next norm: h += delta in place (no add when delta is None), returns
     RMSNorm(h) * weight as a new tensor. h, delta: (T, hidden)."""
-    if h.is_cpu and (out := cpu_ops.add_rms_norm(h, delta, weight, eps)) is not None:
-        return out
     x = h if delta is None else h.add_(delta)
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one fused pass; same math in fp32
@@ -92,8 +111,6 @@ def add_rms_norm(
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     # gate_up: (T, 2 * intermediate) -> (T, intermediate)
-    if gate_up.is_cpu and (out := cpu_ops.silu_and_mul(gate_up)) is not None:
-        return out
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate, inplace=True).mul_(up)
 
@@ -102,7 +119,10 @@ class RotaryTable:
     """cos/sin of every position up to max_positions (rotate-half layout: both halves are equal, so only
     one half is kept), looked up by position."""
 
-    def __init__(self, inv_freq: torch.Tensor, max_positions: int, device: torch.device):
+    def __init__(
+        self, inv_freq: torch.Tensor, max_positions: int, device: torch.device, ops: RowOps | None = None
+    ):
+        self.ops = ops or TORCH_OPS  # the C RoPE where ops.lib is set
         angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq.float()[None, :]
         self.cos = angles.cos().to(device)  # (max_positions, head_dim // 2)
         self.sin = angles.sin().to(device)
@@ -128,8 +148,9 @@ class Rotation:
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def apply_(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cpu and cpu_ops.rope_(x, self.positions, self.table.cos, self.table.sin):
-            return x
+        lib = self.table.ops.lib
+        if lib is not None:
+            return cpu_ops.rope_(lib, x, self.positions, self.table.cos, self.table.sin)
         if self._cos_sin is None:
             self._cos_sin = self.table.lookup(self.positions)
         return x.copy_(apply_rope(x, *self._cos_sin))
@@ -148,3 +169,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     torch.mul(x2, cos, out=o2)
     o2.addcmul_(x1, sin)
     return out.to(x.dtype)
+
+
+TORCH_OPS = RowOps()

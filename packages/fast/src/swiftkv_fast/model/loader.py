@@ -11,8 +11,8 @@ import torch
 from swiftkv_fast.config import EngineConfig
 from swiftkv_fast.logger import init_logger
 from swiftkv_fast.model.kv_cache_layout import KVCacheLayout
-from swiftkv_fast.model.layers import Linear
-from swiftkv_fast.model.linear_kernels import LinearKernelChooser, row_buckets, weights_exceed_cache
+from swiftkv_fast.model.layers import Linear, RowOps
+from swiftkv_fast.kernels.linear_kernels import LinearKernelChooser, row_buckets, weights_exceed_cache
 from swiftkv_fast.model.swiftkv_model import LayerWeights, ModelWeights
 
 logger = init_logger(__name__)
@@ -86,12 +86,22 @@ def apply_swiftkv_options(config, state_dict, num_key_value_layers, key_value_gr
 
 
 def build_weights(
-    config, sd: dict[str, torch.Tensor], econf: EngineConfig, layout: KVCacheLayout
-) -> ModelWeights:
+    config,
+    sd: dict[str, torch.Tensor],
+    econf: EngineConfig,
+    layout: KVCacheLayout,
+    ops: RowOps | None = None,
+    decode_stack: bool = False,
+    forms: bool = True,
+) -> tuple[ModelWeights, LinearKernelChooser]:
     """Fuse q/k/v, gate/up, and all group leaders' k/v_proj_swiftkv; drop unused teacher weights. Each
-    Linear's kernels are chosen by econf.linear_kernel (model/linear_kernels.py): layers < L and the
+    Linear's kernels are chosen by econf.linear_kernel (kernels/linear_kernels.py): layers < L and the
     fused K/V projection run up to max_num_batched_tokens rows a step, layers >= L and lm_head one row
-    per running request."""
+    per running request. `ops`: the row ops the plan chose (the norm / SiLU fused in front of a
+    linear); `decode_stack`: the decoder layers' linears keep a panel layout for the decode stack
+    (model/decode_stack.py) until worker/stack_timing.py has timed it; `forms`: weights exactly in a
+    compact form (kernels/weight_forms.py) may get its layouts. Returns the weights and the chooser
+    (its choices, memory and timing, for the kernel plan)."""
     L, n = config.num_key_value_layers, config.num_hidden_layers
     dtype, device = econf.dtype, econf.device
     kernels = LinearKernelChooser(
@@ -101,6 +111,7 @@ def build_weights(
         cache_dir=kernel_cache_dir(),
         cold=weights_exceed_cache(sd, dtype),
         precision=econf.matmul_precision,
+        forms=forms,
     )
     every_row = econf.max_num_batched_tokens
     sampled_rows = min(econf.max_num_seqs, econf.max_num_batched_tokens)
@@ -118,12 +129,11 @@ def build_weights(
     def cat_opt(names):
         return cat(names) if all(x in sd for x in names) else None
 
-    # a decoder layer's linears keep a panel layout for the decode stack (model/decode_stack.py) until
-    # model/stack_timing.py has timed it against the per-op path at start-up
-    stack_spare = "panel" if dtype == torch.float32 and econf.tensor_parallel_size == 1 else None
+    stack_spare = "panel" if decode_stack else None
 
     def linear(name, weight, bias=None, rows=every_row, shared=False, spare=None):
-        return Linear(weight, bias, kernels.choose(name, weight, bias, rows, shared=shared, spare=spare))
+        choice = kernels.choose(name, weight, bias, rows, shared=shared, spare=spare)
+        return Linear(weight, bias, choice, ops)
 
     layers = []
     for i in range(n):
@@ -174,7 +184,7 @@ def build_weights(
             "kv_swiftkv", cat([x + "weight" for x in names]), cat_opt([x + "bias" for x in names])
         )
     kernels.finish()
-    return weights
+    return weights, kernels
 
 
 def kernel_cache_dir() -> Path:

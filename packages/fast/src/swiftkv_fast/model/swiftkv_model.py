@@ -74,7 +74,10 @@ class SwiftKVModel:
         backend: AttentionBackend,
         tp: TensorParallelGroup = SINGLE,
         vocab_start: int = 0,
+        stack_kernel=None,
     ):
+        """`stack_kernel`: the decode stack's C kernel the plan chose (kernels/cpu_decode_stack.py
+        `kernel`), None where each half runs op by op."""
         self.w = weights
         self.tp, self.vocab_start = tp, vocab_start
         self.L = num_key_value_layers
@@ -87,10 +90,11 @@ class SwiftKVModel:
         # runs [a, b) of second-half cache layers in one group whose slots are consecutive too:
         # one write_kv each, on the plain slice kv_cache[kv_slot[a] : kv_slot[a] + b - a]
         self.swiftkv_write_runs = layout.slot_runs(self.L)
-        # on CPU, each half's layers over decode rows as one C call where it applies (model/decode_stack.py)
+        # each half's layers over decode rows as one C call where the plan chose it (model/decode_stack.py)
         self.stacks: tuple[DecodeStack | None, DecodeStack | None] = (None, None)
-        if weights.embed.is_cpu and tp.size == 1 and getattr(backend, "compiled_decode", False):
+        if stack_kernel is not None:
             shape = dict(
+                kernel=stack_kernel,
                 kv_slot=self.kv_slot,
                 num_heads=num_heads,
                 num_kv_heads=num_kv_heads,

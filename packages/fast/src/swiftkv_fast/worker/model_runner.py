@@ -16,15 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
+from swiftkv_fast import envs
 from swiftkv_fast.attention import get_attention_backend
 from swiftkv_fast.config import EngineConfig
 from swiftkv_fast.distributed.parallel_state import SINGLE, TensorParallelGroup
+from swiftkv_fast.kernels.plan import plan_kernels
+from swiftkv_fast.logger import init_logger
 from swiftkv_fast.model.kv_cache_layout import KVCacheLayout
-from swiftkv_fast.model.layers import RotaryTable
-from swiftkv_fast.model.linear_kernels import cache_file, row_buckets, weights_exceed_cache
-from swiftkv_fast.model.loader import build_weights, kernel_cache_dir
-from swiftkv_fast.model.stack_timing import choose_decode_stacks
-from swiftkv_fast.model.swiftkv_model import SwiftKVModel
+from swiftkv_fast.worker.kernel_plan import build_model
 from swiftkv_fast.model.tp_sharding import TensorParallelShard
 from swiftkv_fast.sampler import sample, top_logprobs
 from swiftkv_fast.scheduler_output import SchedulerOutput
@@ -32,6 +31,8 @@ from swiftkv_fast.worker.cuda_graph import SecondHalfGraphs
 from swiftkv_fast.worker.host_allocator import tune_for_inference
 from swiftkv_fast.worker.input_batch import StepInput, build_model_input
 from swiftkv_fast.worker.kv_cache import allocate_kv_cache, num_blocks_for
+
+logger = init_logger(__name__)
 
 
 @dataclass
@@ -67,7 +68,17 @@ class ModelRunner:
         self.blocks_per_request = layout.max_num_held_blocks(
             econf.max_model_len, econf.max_num_batched_tokens
         )
-        weights = build_weights(config, state_dict, econf, layout)
+        with envs.kernels_disabled(econf.disabled_kernels):  # the engine's own switches, while it is built
+            self.plan = plan_kernels(
+                self.device,
+                econf.dtype,
+                layout.dtype,
+                num_heads=self.shard.num_heads,
+                num_kv_heads=self.shard.num_kv_heads,
+                head_dim=config.head_dim,
+                disabled=econf.disabled_kernels,
+                tensor_parallel_size=tp.size,
+            )
         self.num_blocks = tp.min_int(  # every rank holds the same block ids
             num_blocks_for(
                 layout,
@@ -83,30 +94,11 @@ class ModelRunner:
                 f"max_model_len={econf.max_model_len} tokens ({self.blocks_per_request} blocks + the null "
                 "block): give it more memory or lower max_model_len"
             )
-        self.backend = get_attention_backend(econf.attention_backend, self.device, econf.block_size)
-        self.model = SwiftKVModel(
-            weights,
-            num_key_value_layers=config.num_key_value_layers,
-            num_heads=self.shard.num_heads,
-            num_kv_heads=self.shard.num_kv_heads,
-            head_dim=config.head_dim,
-            eps=config.rms_norm_eps,
-            rotary=RotaryTable(weights.rope_inv_freq, econf.max_model_len, self.device),
-            layout=layout,
-            backend=self.backend,
-            tp=tp,
-            vocab_start=self.shard.vocab_start,
-        )
+        self.backend = get_attention_backend(econf.attention_backend, self.device, econf.block_size, self.plan)
         self.kv_cache = allocate_kv_cache(layout, self.num_blocks, self.device)
-        if self.device.type == "cpu" and econf.linear_kernel == "auto":
-            decode = min(econf.max_num_seqs, econf.max_num_batched_tokens)
-            choose_decode_stacks(
-                self.model,
-                self.kv_cache,
-                [b for b in row_buckets(econf.max_num_seqs, econf.max_num_batched_tokens) if b <= decode],
-                cache_path=cache_file(kernel_cache_dir()),
-                cold=weights_exceed_cache(state_dict, econf.dtype),  # as the linear kernels were timed
-            )
+        self.model = build_model(config, econf, layout, state_dict, tp, self.plan, self.backend, self.kv_cache)
+        if tp.rank == 0:
+            logger.info("%s", self.plan.table())
         self.graphs = self.make_graphs()
 
     def make_graphs(self, *, emulate: bool = False, sizes: list[int] | None = None) -> SecondHalfGraphs:
@@ -166,7 +158,15 @@ class ModelRunner:
         params = [r.sampling_params for r in sampled]
         nums = [p.logprobs for p in params]
         full = any(n is not None for n in nums)  # a row's top-n needs the whole log_softmax
-        result = sample(logits, params, [r.generator for r in sampled], banned, full_logprobs=full)
+        result = sample(
+            logits,
+            params,
+            [r.generator for r in sampled],
+            banned,
+            full_logprobs=full,
+            row_ops=self.plan.row_ops,
+            sample_kernels=self.plan.sample,
+        )
         tops = top_logprobs(result.logprobs, result.token_ids, nums)
         rows = [row.clone() for row in logits] if self.econf.return_logits else [None] * len(sampled)
         ids = [r.request_id for r in sampled]

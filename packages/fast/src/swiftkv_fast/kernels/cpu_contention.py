@@ -4,7 +4,7 @@ runnable but waiting for a core (Linux's run-queue delay, /proc/self/task/*/sche
 A kernel timed while another process competes for the cores measures the other process as much as
 the kernel: on a 2-core AMD EPYC, torch matmuls on 2 threads waited 0.3% of their time for a core
 alone, 38% beside one busy process and 49% beside two. The linear-kernel chooser
-(model/linear_kernels.py) times again what it timed on a busy machine, and does not cache it.
+(kernels/linear_kernels.py) times again what it timed on a busy machine, and does not cache it.
 
     meter = ContentionMeter()
     ...                    # the timed work, on `threads` threads

@@ -1,7 +1,7 @@
 """Whether each half's decode stack (model/decode_stack.py) or the per-op path serves a decode batch,
 decided by timing both on this machine at every decode row bucket, once, at start-up.
 
-The linear-kernel chooser (model/linear_kernels.py) times each linear alone, so it cannot see what
+The linear-kernel chooser (kernels/linear_kernels.py) times each linear alone, so it cannot see what
 the stack saves: one C call for a half's layers instead of a dozen torch calls per layer, and each
 linear's input packed while its norm or SiLU runs. On a 2-core Intel Xeon (AVX-512) MKL's matmul beat
 the panel GEMM by 1.1-1.3x for qkv, o and down timed one by one, so the stack (which needs the panel
@@ -32,9 +32,9 @@ import torch
 from swiftkv_fast.attention.base import AttentionMetadata
 from swiftkv_fast.kernels import build
 from swiftkv_fast.logger import init_logger
-from swiftkv_fast.model.cpu_contention import ContentionMeter, waited_seconds
+from swiftkv_fast.kernels.cpu_contention import ContentionMeter, waited_seconds
 from swiftkv_fast.model.decode_stack import DecodeStack, layer_linears, stack_panel
-from swiftkv_fast.model.linear_kernels import (
+from swiftkv_fast.kernels.linear_kernels import (
     BUSY_SHARE,
     MAX_SAMPLES,
     MAX_TRIES,
@@ -205,7 +205,7 @@ def choose_decode_stacks(
     if new and cache_path is not None:
         save_times(cache_path, {**load_times(cache_path), **new})
     how = f"timed in {time.perf_counter() - start:.1f} s" if new else "timings cached"
-    logger.info(
+    logger.debug(
         "decode stack (%s): %s; spare panel layouts dropped: %.1f MiB",
         how,
         "; ".join(f"{k} half {v}" for k, v in described.items()),

@@ -31,7 +31,7 @@ faster than the other on one x86 machine and slower on another), so `LinearKerne
 them once per weight shape and row bucket (decode batch sizes up to max_num_seqs, then up to the
 prefill chunk max_num_batched_tokens), interleaved, best of a few calls, and caches the timings in
 a JSON file per machine (CPU model and flags, core count, torch threads, torch version). A case
-timed while another process kept the threads waiting for a core (model/cpu_contention.py) is timed
+timed while another process kept the threads waiting for a core (kernels/cpu_contention.py) is timed
 again, and not cached if every try was disturbed: on a Zen 4 EPYC, timings cached during a test run
 had picked oneDNN over the panel GEMM for the 16-row lm_head, 1.2x slower there. When the
 model's weights exceed the CPU's largest cache (`cold`), every timed call first reads a buffer twice
@@ -71,7 +71,7 @@ from swiftkv_fast.kernels.cpu_amx_q4 import Q4AmxWeight
 from swiftkv_fast.kernels.cpu_gemm import PanelWeight
 from swiftkv_fast.kernels.weight_forms import FormMismatch, bf16_exact, q4_blocks, q8_blocks, remembered
 from swiftkv_fast.logger import init_logger
-from swiftkv_fast.model.cpu_contention import ContentionMeter, waited_seconds
+from swiftkv_fast.kernels.cpu_contention import ContentionMeter, waited_seconds
 
 logger = init_logger(__name__)
 
@@ -218,10 +218,10 @@ def plan_kernels(
 @cache
 def cpu_model() -> str:
     """The CPU's model name (/proc/cpuinfo), else what `platform` knows."""
-    return _cpuinfo_field("model name") or platform.processor() or platform.machine()
+    return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
-def _cpuinfo_field(name: str) -> str:
+def cpuinfo_field(name: str) -> str:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -237,7 +237,7 @@ def _cpuinfo_field(name: str) -> str:
 def machine_key() -> dict[str, object]:
     """What kernel timings depend on; a cache file measured under another key is not used. The C
     kernels' sources are part of it: a changed kernel is timed afresh."""
-    flags = _cpuinfo_field("flags") or _cpuinfo_field("Features")
+    flags = cpuinfo_field("flags") or cpuinfo_field("Features")
     libraries = {v: getattr(envs, v) for v in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")}
     return {
         "cpu": cpu_model(),
@@ -371,6 +371,7 @@ class LinearKernelChooser:
     cold: bool = False
     precision: str = "highest"
     timer: Callable[[str, int, Callable[[], object]], float] = wall_time
+    forms: bool = True  # weights exactly in a compact form may get its layouts (also needs gemm-4bit on)
     times: Times = field(default_factory=dict)
     extra_bytes: int = 0  # weight memory the kept layouts take beyond one copy of each weight
     spare_bytes: int = 0  # weight memory of the spare layouts (`choose`), until they are dropped
@@ -381,6 +382,8 @@ class LinearKernelChooser:
     waited: Callable[[], float | None] = waited_seconds  # the threads' run-queue delay (tests inject)
     busy: dict[str, float] = field(default_factory=dict)  # shape key -> its timings' run-queue share
     choices: dict[str, str] = field(default_factory=dict)  # "name (out x in)" -> its plan, described
+    choice_bytes: dict[str, int] = field(default_factory=dict)  # the same keys -> bytes beyond one copy
+    forms_found: set[str] = field(default_factory=set)  # compact forms seen among the weights (FORM_NAMES)
 
     def __post_init__(self) -> None:
         if self.kernel != "auto" and self.kernel not in KERNELS:
@@ -407,7 +410,7 @@ class LinearKernelChooser:
         """The layouts and plan of one Linear over W (out, in) that runs at most `max_rows` rows.
         `shared`: W's storage is kept anyway (the tied lm_head's embedding), so 'linear' costs nothing.
         `spare`: a kernel whose layout is kept too where the plan does not use it, when the kernels are
-        chosen by measurement (the decode stack's panel GEMM: model/stack_timing.py times the stack
+        chosen by measurement (the decode stack's panel GEMM: worker/stack_timing.py times the stack
         against the per-op path, then drops the spare where the stack does not run)."""
         with remembered(weight):  # its block form is found once, not once per layout packed
             return self._choose(name, weight, bias, max_rows, shared, spare)
@@ -431,7 +434,8 @@ class LinearKernelChooser:
             if not self._pack(k, weight, layouts):
                 return self._without(key, k, name, weight, bias, max_rows, shared)
         layouts = {k: layouts[k] for k in kept}
-        self.extra_bytes += self._extra_bytes(weight, layouts, shared)
+        extra = self._extra_bytes(weight, layouts, shared)
+        self.extra_bytes += extra
         if spare == "panel" and self.kernel == "auto":
             spare = self._faster_panel(times)
         if spare is not None and self.kernel == "auto" and spare not in layouts:
@@ -442,7 +446,9 @@ class LinearKernelChooser:
         # layers that run fewer rows (SwiftKV's second half: decode rows only) are named apart
         rows = "" if max_rows >= max(self.row_buckets) else f" at <= {max_rows} rows"
         bits = f", {FORM_NAMES[form]}" if form else ""  # engines over the same shapes in other forms apart
-        self.choices[f"{name} ({weight.shape[0]}x{weight.shape[1]}{bits}){rows}"] = describe_plan(plan)
+        label = f"{name} ({weight.shape[0]}x{weight.shape[1]}{bits}){rows}"
+        self.choices[label] = describe_plan(plan)
+        self.choice_bytes[label] = self.choice_bytes.get(label, 0) + extra
         _CHOICES.update(self.choices)
         return KernelChoice(layouts, plan)
 
@@ -551,7 +557,8 @@ class LinearKernelChooser:
         return copies - (0 if shared else nbytes(weight))
 
     def finish(self) -> None:
-        """Saves new timings to the cache file and logs the choices and their memory in one line."""
+        """Saves new timings to the cache file (the kernel plan reports the choices: `how`, `choices`,
+        `choice_bytes`, `absent`)."""
         _eviction_buffer.cache_clear()  # the cold timings' buffer: not held for the engine's lifetime
         if self.busy:
             logger.warning(
@@ -565,33 +572,14 @@ class LinearKernelChooser:
         if self.cache_path is not None and self._timed_shapes - set(self.busy):
             saved = {s: self._loaded.get(s) if s in self.busy else t for s, t in self.times.items()}
             save_times(self.cache_path, {s: t for s, t in saved.items() if t is not None})
-        if not self.on_cpu:
-            return
-        if self.absent:
-            logger.info(
-                "linear kernels not offered on this machine: %s",
-                "; ".join(f"{k} ({why})" for k, why in sorted(self.absent.items())),
-            )
+
+    def how(self) -> str:
+        """How the choices were made: forced, timed now, or from the timings cached on this machine."""
         if self.kernel != "auto":
-            how = f"forced {self.kernel!r}"
-        elif self.timed_cases:
-            where = f"; cached in {self.cache_path} (delete it to time again)" if self.cache_path else ""
-            how = f"timed {self.timed_cases} (shape, rows) cases in {self.timed_seconds:.1f} s{where}"
-        else:
-            how = f"timings from {self.cache_path}"
-        choices = "; ".join(f"{k}: {v}" for k, v in self.choices.items())
-        spare = ""
-        if self.spare_bytes:
-            spare = f" (and {self.spare_bytes / 2**20:.1f} MiB of spare panel layouts, until timed)"
-        cost = "cost" if self.extra_bytes >= 0 else "save"  # 4-bit panels can take the fp32 weight's place
-        logger.info(
-            "linear kernels (%s): %s; kernel layouts %s %.1f MiB against one copy of each weight%s",
-            how,
-            choices,
-            cost,
-            abs(self.extra_bytes) / 2**20,
-            spare,
-        )
+            return f"forced {self.kernel!r}"
+        if self.timed_cases:
+            return f"timed now ({self.timed_cases} cases, {self.timed_seconds:.1f} s)"
+        return "cached timings"
 
     def _form(self, weight: torch.Tensor) -> str | None:
         """W's exact form where those layouts are on (kernels/weight_forms.py): "q4" (4-bit d q + m: the panel
@@ -599,11 +587,11 @@ class LinearKernelChooser:
         is), "bf16" (values exact in bf16, a bf16 checkpoint: bf16-amx is), or None."""
         if self.kernel != "auto" or weight.dtype != torch.float32 or not cpu_gemm.four_bit_enabled():
             return None
-        if q4_blocks(weight) is not None:
-            return "q4"
-        if q8_blocks(weight) is not None:
-            return "q8"
-        return "bf16" if bf16_exact(weight) else None
+        form = "q4" if q4_blocks(weight) is not None else "q8" if q8_blocks(weight) is not None else None
+        form = form or ("bf16" if bf16_exact(weight) else None)
+        if form is not None:
+            self.forms_found.add(form)
+        return form if self.forms else None
 
     def _shape_key(self, weight: torch.Tensor, form: str | None) -> str:
         """The cache key of a weight's timings: dtype, shape, the block form, cold."""

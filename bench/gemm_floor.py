@@ -165,7 +165,7 @@ def peak_gflops(size: int = 2048, repeats: int = 3) -> dict[str, float]:
     """This machine's fp32 GEMM rate (GFLOP/s) on one (size x size) @ (size x size) product, best of
     `repeats` calls, through each linear kernel the engine chooses from that runs here at torch's float32
     matmul precision (bf16x3 only at "high")."""
-    from swiftkv_fast.model.linear_kernels import KERNELS
+    from swiftkv_fast.kernels.linear_kernels import KERNELS
 
     precision = matmul_precision()
     x, weight = torch.randn(size, size), torch.randn(size, size)

@@ -87,6 +87,7 @@ class BatchResult:
     ttft_s: list[float] = field(default_factory=list)
     tpot_s: list[float] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)  # each request's output tokens, in order
 
     def metrics(self) -> dict[str, Any]:
         return {
@@ -94,6 +95,7 @@ class BatchResult:
             "output_tokens": self.output_tokens,
             "ttft_s": self.ttft_s,
             "tpot_s": self.tpot_s,
+            "token_ids": self.token_ids,
         }
 
 
@@ -119,6 +121,7 @@ def run_batch(
     )
     for out in outs:
         result.texts.append(out.outputs[0].text)
+        result.token_ids.append(list(out.outputs[0].token_ids))
         m = out.metrics
         if m is not None and m.ttft is not None:
             result.ttft_s.append(m.ttft)

@@ -9,11 +9,11 @@ Systems, each in a process of its own, in fp32 and bf16:
 
 On each of `bench throughput`'s mixes: prefill tokens/s (every request with max_tokens = 1), output
 tokens/s and mean TTFT of the whole mix (greedy, EOS ignored), median over the rounds after a warm-up;
-start-up (and vLLM's compilation) is reported apart, not counted. vLLM runs with the CPU settings of
-`../shared/anchors/vllm-plugin-facts.md`: its KV space fixed, its OpenMP threads on every core, no
-reserved core, the engine core in the benchmark's process, and Intel's OpenMP preloaded where its venv
-has it (what vLLM's CPU install guide asks for; tcmalloc too where the system has it). Its processes
-need vLLM's CPU build: by default the interpreter of the `vllm` nox session's venv (`--vllm-python`).
+start-up (and vLLM's compilation) is reported apart, not counted. The processes are bench/vllm_worker.py's,
+with its CPU settings: vLLM's KV space fixed, no reserved core, the engine core in the worker's process,
+Intel's OpenMP (and tcmalloc) preloaded where present, one OpenMP thread bound to each core torch uses
+here (`--threads`). They need vLLM's CPU build: by default the interpreter of the `vllm` nox session's
+venv, else this one (`--vllm-python`).
 """
 
 from __future__ import annotations
@@ -21,30 +21,19 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from bench import report
+from bench import report, vllm_worker
 from bench.throughput import MIXES, QUICK_MIXES, mix_prompts
 
 log = logging.getLogger(__name__)
 
 HELP = "vLLM's engine with / without the SwiftKV plugin vs ours: prefill and output tok/s, TTFT"
-ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = ("vllm", "vllm-swiftkv", "ours-off", "ours-on")
 DTYPES = ("float32", "bfloat16")
-STUDENT_LAYERS = 15
-VLLM_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "4",
-    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_LOGGING_LEVEL": "WARNING",
-}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,130 +44,59 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--vllm-python",
         type=Path,
-        default=ROOT / ".nox" / "vllm" / "bin" / "python",
+        default=vllm_worker.DEFAULT_PYTHON,
         help="a Python with vLLM's CPU build and swiftkv-vllm (default: the `vllm` nox session's venv)",
     )
-    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one system in this process
-    parser.add_argument("--worker-dtype", help=argparse.SUPPRESS)
-    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.worker:
-        return _worker(args)
     table_of = QUICK_MIXES if args.quick else MIXES
     mixes = args.mixes or list(table_of)
     repeat = args.repeat or 3
     warmup = 1 if args.warmup is None else args.warmup
     python = args.vllm_python if args.vllm_python.exists() else Path(sys.executable)
+    cores = vllm_worker.torch_cores()
+    vocab_size = _vocab_size()
+    plans = {m: mix_prompts(table_of[m], vocab_size, args.seed) for m in mixes}
+    # every round (and warm-up) of a mix: all its requests with max_tokens = 1, then the whole mix
+    rounds = {m: ([(p, 1), (p, n)], [(p, 1), (p, n)]) for m, (p, n) in plans.items()}
     results = []
     for dtype in args.dtypes:
         for system in args.systems:
-            log.info("%s in %s: a process of its own (%s)", system, dtype, python)
-            results.append(_spawn(python, system, dtype, mixes, repeat, warmup, args))
+            calls = vllm_worker.schedule(rounds, warmup, repeat)
+            result = vllm_worker.spawn(python, system, dtype, calls, cores)
+            results.append(rounds_of(result, rounds, warmup, repeat))
     rows = _rows(results, mixes)
     tables = [_table(dtype, [r for r in rows if r["dtype"] == dtype]) for dtype in args.dtypes]
-    settings = dict(mixes={m: table_of[m] for m in mixes}, repeat=repeat, warmup=warmup, vllm_env=VLLM_ENV,
-                    student_layers=STUDENT_LAYERS)
+    settings = dict(mixes={m: table_of[m] for m in mixes}, repeat=repeat, warmup=warmup, cores=cores,
+                    worker_env=vllm_worker.worker_env(python, "vllm", cores),
+                    student_layers=vllm_worker.STUDENT_LAYERS)  # fmt: skip
     json_path = report.write_json(args.out, "vllm", settings, rows, startup=[
-        {k: r[k] for k in ("system", "dtype", "startup_s")} for r in results])
+        {k: r[k] for k in ("system", "dtype", "startup_s", "compile_s")} for r in results])  # fmt: skip
     report.finish(tables, [json_path, _plot(rows, args.out)])
     return 0
 
 
-def _spawn(python: Path, system: str, dtype: str, mixes: list[str], repeat: int, warmup: int, args) -> dict:
-    out = args.out / f"vllm-{system}-{dtype}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    command = [
-        str(python), "-m", "bench", "vllm", "--worker", system, "--worker-dtype", dtype,
-        "--worker-out", str(out), "--mixes", ",".join(mixes), "--repeat", str(repeat),
-        "--warmup", str(warmup), "--seed", str(args.seed),
-    ] + (["--quick"] if args.quick else [])  # fmt: skip
-    env = os.environ | VLLM_ENV | {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    if system.startswith("vllm") and (preload := _vllm_preload(python)):
-        env["LD_PRELOAD"] = ":".join(filter(None, [*preload, os.environ.get("LD_PRELOAD")]))
-    subprocess.run(command, check=True, cwd=ROOT, env=env)
-    return json.loads(out.read_text())
-
-
-def _vllm_preload(python: Path) -> list[str]:
-    """The libraries vLLM's CPU guide preloads: tcmalloc (from the system) and Intel's OpenMP (from the
-    venv, where vLLM's CPU wheel installs it), each where present."""
-    libs = Path("/usr/lib/x86_64-linux-gnu")
-    tcmalloc = sorted(libs.glob("libtcmalloc_minimal.so*")) + sorted(libs.glob("libtcmalloc.so*"))
-    iomp = python.parent.parent / "lib" / "libiomp5.so"
-    return [str(p) for p in tcmalloc[:1]] + ([str(iomp)] if iomp.exists() else [])
-
-
-def _worker(args: argparse.Namespace) -> int:
-    """One system, one dtype, every mix: build once, then warm-up and timed rounds per mix."""
-    system, dtype = args.worker, args.worker_dtype
-    table_of = QUICK_MIXES if args.quick else MIXES
-    started = time.perf_counter()
-    runner = _runner(system, dtype)
-    startup = time.perf_counter() - started
-    mixes = {}
-    for name in args.mixes:
-        prompts, output_len = mix_prompts(table_of[name], 49152, args.seed)
-        for _ in range(args.warmup):
-            runner(prompts, 1)
-            runner(prompts, output_len)
-        rounds = []
-        for _ in range(args.repeat):
-            prefill_s, _ = runner(prompts, 1)
-            wall_s, ttfts = runner(prompts, output_len)
-            rounds.append(dict(
-                prefill_tok_s=sum(map(len, prompts)) / prefill_s,
-                output_tok_s=len(prompts) * output_len / wall_s,
-                ttft_ms=1000 * statistics.mean(ttfts),
-            ))  # fmt: skip
-        mixes[name] = rounds
-    args.worker_out.write_text(json.dumps(dict(system=system, dtype=dtype, startup_s=startup, mixes=mixes)))
-    return 0
-
-
-def _checkpoint(system: str) -> str:
+def _vocab_size() -> int:
     from swiftkv_reference.default_model import default_model_dir
 
-    if system in ("vllm", "ours-off"):
-        return str(default_model_dir())
-    sys.path.insert(0, str(ROOT))
-    from bench.demo import calibrated_student
-
-    path, _, _ = calibrated_student(STUDENT_LAYERS, seed=0)
-    return str(path)
+    return json.loads((default_model_dir() / "config.json").read_text())["vocab_size"]
 
 
-def _runner(system: str, dtype: str):
-    """A function (prompts, max_tokens) -> (wall seconds, per-request TTFT seconds), greedy."""
-    path = _checkpoint(system)
-    if system.startswith("vllm"):
-        from vllm import LLM, SamplingParams
-
-        llm = LLM(
-            path, dtype=dtype, max_model_len=2048, seed=0, disable_log_stats=False,
-            kv_sharing_fast_prefill=system == "vllm-swiftkv", enable_prefix_caching=False,
-        )  # fmt: skip
-
-        def run_vllm(prompts, max_tokens):
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-            start = time.perf_counter()
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-            wall = time.perf_counter() - start
-            return wall, [o.metrics.first_token_latency if o.metrics else wall for o in outs]
-
-        return run_vllm
-    from bench import engine
-
-    llm = engine.build_llm(model=path, dtype=dtype)
-
-    def run_ours(prompts, max_tokens):
-        start = time.perf_counter()
-        outs = llm.generate(prompts, engine.greedy(max_tokens), use_tqdm=False)
-        wall = time.perf_counter() - start
-        return wall, [o.outputs[0].metrics.ttft or wall for o in outs]
-
-    return run_ours
+def rounds_of(result: dict, rounds: dict[str, tuple], warmup: int, repeat: int) -> dict[str, Any]:
+    """A worker's result as each mix's timed rounds: prefill tok/s, output tok/s, mean TTFT."""
+    mixes = {
+        mix: [
+            dict(
+                prefill_tok_s=prefill["prompt_tokens"] / prefill["seconds"],
+                output_tok_s=full["output_tokens"] / full["seconds"],
+                ttft_ms=1000 * statistics.mean(full["ttft_s"] or [full["seconds"]]),
+            )
+            for prefill, full in timed
+        ]
+        for mix, timed in vllm_worker.timed_rounds(result, rounds, warmup, repeat).items()
+    }
+    return {k: result[k] for k in ("system", "dtype", "startup_s", "compile_s")} | {"mixes": mixes}
 
 
 def _rows(results: list[dict], mixes: list[str]) -> list[dict[str, Any]]:

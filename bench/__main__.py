@@ -33,7 +33,7 @@ tables show the median [min-max] over the rounds, and ratios are computed round 
 
   demo        chat answers from the embedded model, then SwiftKV off vs on (the `nox -s demo` job)
   prefill     prefill tokens/s for prompt lengths 256-4096 at L = N, 3N/4, N/2, beside the FLOP limit
-  throughput  the fast engine vs transformers' generate / generate_batch on request mixes
+  throughput  the fast engine vs transformers' generate / generate_batch (and vLLM: vllm-fp32, vllm-bf16)
   kvcache     the kvcache trace benchmark (and vLLM's cache manager when importable)
   memory      KV bytes per token and maximum concurrency across L and G (AcrossKV), per rank at TP=3
   tp          tensor parallelism N = 1, 2, 3: KV bytes, blocks, concurrency per rank; step time vs N = 1

@@ -1,4 +1,5 @@
-"""The fast engine against Hugging Face transformers on the same model, prompts and sampling settings.
+"""The fast engine against Hugging Face transformers (and vLLM, on request) on the same model, prompts and
+sampling settings.
 
 Systems: the fast engine with SwiftKV off (L = N) and on (L = N/2), transformers' `generate` (one
 static batch, left padding) and `generate_batch` (its continuous batching, where installed), all
@@ -11,6 +12,18 @@ SWIFTKV_DISABLED_KERNELS=gemm-4bit, so 4-bit weights get neither 4-bit panels no
 floors, the table notes each floor plus attention's irreducible work (bench/attention_floor.py), every engine
 system's share of it, and the largest share of the GEMM floor's ratio any engine can reach (the floor's
 time over that sum's: an engine's share of the floor is the floor's time over its own).
+
+`vllm-fp32`, `vllm-bf16` (`--systems`): vLLM's CPU build on the embedded model (compiled, its default;
+prefix caching off) in fp32 / bf16, each in a process of its own started with the vLLM venv's Python
+(`--vllm-python`, default `.nox/vllm/bin/python`: `nox -s vllm` builds it; skipped, saying why, where it
+is missing) by bench/vllm_worker.py: vLLM's KV space fixed, no reserved core, its engine core in that
+process, one OpenMP thread bound to each core torch uses here (`--threads`: the same thread count).
+It gets the same token-id prompts, output length, greedy decoding with EOS ignored, warm-up and rounds,
+and its rows the same keys; its start-up and compilation are timed apart (`startup_s`, `compile_s`),
+not counted. Its rounds run in that process before the others' rounds, not interleaved with them. At
+temperature 0, each vLLM system's share of requests whose tokens equal fast-off's
+(`tokens_identical_to_fast_off`; vllm-fp32 should match, bf16 rounds otherwise) is noted, not enforced.
+
 Mixes (request count x prompt length -> output length):
 
   issue4          16 x 256 -> 64              the issue-4 scenario
@@ -38,18 +51,19 @@ import logging
 import os
 import random
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from bench import attention_floor, engine, gemm_floor, hf_baseline, report, step_profile
+from bench import attention_floor, engine, gemm_floor, hf_baseline, report, step_profile, vllm_worker
 from bench.harness import Sample, Stats, paired_ratio, run_interleaved
 
 log = logging.getLogger(__name__)
 
-HELP = "fast engine (SwiftKV off/on) vs transformers generate / generate_batch: req/s, tok/s, TTFT, TPOT"
+HELP = "fast engine (SwiftKV off/on) vs transformers generate / generate_batch and vLLM: tok/s, TTFT, TPOT"
 # name: (num_requests, mean prompt len, output len, length jitter)
 MIXES = {
     "issue4": (16, 256, 64, 0.0),
@@ -82,7 +96,9 @@ VARIANT_SYSTEMS = {
         for name, base in FP32_WEIGHTS_SYSTEMS.items()
     },
 }
-SYSTEMS = [*DEFAULT_SYSTEMS, *VARIANT_SYSTEMS]
+# vLLM's CPU build in a process of its own (bench/vllm_worker.py): name -> its dtype
+VLLM_SYSTEMS = {"vllm-fp32": "float32", "vllm-bf16": "bfloat16"}
+SYSTEMS = [*DEFAULT_SYSTEMS, *VARIANT_SYSTEMS, *VLLM_SYSTEMS]
 BASELINE = "hf-generate"
 
 
@@ -103,6 +119,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--profile",
         action="store_true",
         help="one more run of each engine system, timing its linear layers, attention and the rest per step",
+    )
+    parser.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=vllm_worker.DEFAULT_PYTHON,
+        help="the Python of a venv with vLLM's CPU build, for the vllm-* systems (default: the `vllm` nox "
+        "session's venv, .nox/vllm/bin/python)",
     )
 
 
@@ -138,17 +161,25 @@ def run(args: argparse.Namespace) -> int:
     # nor do they where a linear of an exact form multiplies on AMX tiles (exact products)
     fma_bounds_gemms = not _exact_amx()
     read_gbps = attention_floor.read_gbps() if fma_peak else None
+    plans = {name: mix_prompts(table_of[name], runners.vocab_size, args.seed) for name in mixes}
+    peers, skipped = vllm_runs(systems, args.vllm_python, plans, repeat, warmup, args.temperature)
+    skipped = runners.skipped | skipped
+    for name, why in skipped.items():
+        print(f"skipping {name}: {why}")
+    available = [s for s in systems if s in runners.fns or s in peers]
     tables, rows = [], []
     for name in mixes:
-        prompts, output_len = mix_prompts(table_of[name], runners.vocab_size, args.seed)
+        prompts, output_len = plans[name]
         cases = {s: _case(runners.get(s), prompts, output_len) for s in runners.available}
-        warm = {s: _case(runners.get(s), [p[:16] for p in prompts[:2]], 2) for s in runners.available}
+        warm = {s: _case(runners.get(s), *stand_in(prompts)) for s in runners.available}
         print(
             f"mix {name}: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
             f"{output_len} output tokens each; systems {list(cases)}"
         )
         samples = run_interleaved(cases, repeat=repeat, warmup=warmup, warmup_cases=warm, progress=True)
-        mix_rows = [summarize(name, s, samples[s]) for s in cases]
+        samples |= {s: peer["samples"][name] for s, peer in peers.items()}
+        mix_rows = [summarize(name, s, samples[s]) for s in available]
+        _peer_rows(mix_rows, peers, samples, greedy=args.temperature == 0)
         for row in mix_rows:
             if row["system"] in runners.floor_llms:
                 flops = gemm_floor.workload_flops(runners.floor_llms[row["system"]], prompts, output_len)
@@ -168,9 +199,9 @@ def run(args: argparse.Namespace) -> int:
                     row["attention_floor"] = _attention_floor(
                         samples[row["system"]], base, work, read_gbps, fma_peak
                     )
-            for row, s in zip(mix_rows, cases):
+            for row in mix_rows:
                 row["output_tps_vs_hf_generate"] = paired_ratio(
-                    [x.metrics["output_tokens"] / x.seconds for x in samples[s]],
+                    [x.metrics["output_tokens"] / x.seconds for x in samples[row["system"]]],
                     [x.metrics["output_tokens"] / x.seconds for x in base],
                 )
         rows += mix_rows
@@ -185,8 +216,8 @@ def run(args: argparse.Namespace) -> int:
         "mixes": {
             m: dict(zip(["num_requests", "prompt_len", "output_len", "jitter"], table_of[m])) for m in mixes
         },
-        "systems": runners.available,
-        "skipped": runners.skipped,
+        "systems": available,
+        "skipped": skipped,
         "repeat": repeat,
         "warmup": warmup,
         "num_key_value_layers_on": runners.on_layers,
@@ -197,8 +228,12 @@ def run(args: argparse.Namespace) -> int:
         "peak_gemm_gflops": peak,
         "peak_fma_gflops": fma_peak,
     }
+    if any(s in VLLM_SYSTEMS for s in systems):
+        cores = vllm_worker.torch_cores()
+        env = vllm_worker.worker_env(args.vllm_python, "vllm", cores)
+        settings["vllm"] = {"python": args.vllm_python, "cores": cores, "worker_env": env}
     json_path = report.write_json(args.out, "throughput", settings, rows)
-    png_path = plot(rows, mixes, runners.available, args.out)
+    png_path = plot(rows, mixes, available, args.out)
     report.finish(tables, [json_path, png_path])
     return 0
 
@@ -249,12 +284,70 @@ class _Systems:
                     )
                 else:
                     self.skipped["hf-generate-batch"] = "this transformers has no generate_batch"
-        for name, why in self.skipped.items():
-            print(f"skipping {name}: {why}")
         self.available = [s for s in wanted if s in self.fns]
 
     def get(self, name: str) -> Callable:
         return self.fns[name]
+
+
+def stand_in(prompts: list[list[int]]) -> tuple[list[list[int]], int]:
+    """A warm-up's cheaper stand-in for a mix: its first two prompts' first 16 tokens, 2 tokens each."""
+    return [p[:16] for p in prompts[:2]], 2
+
+
+# what a vllm-* row adds to the rows' keys: its worker's start-up, compilation, threads, vLLM version
+VLLM_ROW_KEYS = ("dtype", "startup_s", "compile_s", "threads", "vllm")
+
+
+def vllm_runs(
+    wanted: list[str], python: Path, plans: dict[str, tuple], repeat: int, warmup: int, temperature: float
+) -> tuple[dict[str, dict], dict[str, str]]:
+    """Each vllm-* system of `wanted` in a worker process of its own (bench/vllm_worker.py), every mix's
+    warm-up (its stand-in) and rounds: ({system: its result, with "samples": {mix: [Sample]}},
+    {system: why it was skipped})."""
+    names = [s for s in wanted if s in VLLM_SYSTEMS]
+    if names and not python.exists():
+        why = f"no vLLM Python at {python} (--vllm-python; `nox -s vllm --install-only` builds one)"
+        return {}, {s: why for s in names}
+    rounds = {mix: ([stand_in(prompts)], [(prompts, n)]) for mix, (prompts, n) in plans.items()}
+    cores = vllm_worker.torch_cores()
+    peers, skipped = {}, {}
+    for name in names:
+        calls = vllm_worker.schedule(rounds, warmup, repeat)
+        try:
+            result = vllm_worker.spawn(python, "vllm", VLLM_SYSTEMS[name], calls, cores, temperature)
+        except subprocess.CalledProcessError as e:
+            skipped[name] = f"its worker process exited with status {e.returncode} (its output is above)"
+            continue
+        peers[name] = result | {"samples": vllm_samples(result, rounds, warmup, repeat)}
+    return peers, skipped
+
+
+def vllm_samples(result: dict, rounds: dict[str, tuple], warmup: int, repeat: int) -> dict[str, list[Sample]]:
+    """A vllm-* worker's result as each mix's timed Samples (one call per round), as the harness
+    gives them."""
+    timed = vllm_worker.timed_rounds(result, rounds, warmup, repeat)
+    return {
+        mix: [Sample(call["seconds"], {k: v for k, v in call.items() if k != "seconds"}) for [call] in calls]
+        for mix, calls in timed.items()
+    }
+
+
+def _peer_rows(rows: list[dict], peers: dict[str, dict], samples: dict[str, list], greedy: bool) -> None:
+    """The vllm-* rows' worker facts (VLLM_ROW_KEYS) and, decoding greedily beside fast-off, their share of
+    requests whose output tokens (last round) equal fast-off's; a warning where vllm-fp32's differ."""
+    ref = samples["fast-off"][-1].metrics["token_ids"] if greedy and "fast-off" in samples else None
+    for row in rows:
+        if row["system"] not in peers:
+            continue
+        row.update({k: peers[row["system"]][k] for k in VLLM_ROW_KEYS})
+        if ref:
+            got = samples[row["system"]][-1].metrics["token_ids"]
+            same = sum(a == b for a, b in zip(got, ref))
+            row["tokens_identical_to_fast_off"] = same / len(ref)
+            if row["system"] == "vllm-fp32" and same < len(ref):
+                log.warning("vllm-fp32: %d of %d requests' greedy tokens differ from fast-off's",
+                            len(ref) - same, len(ref))  # fmt: skip
 
 
 def _exact_amx() -> bool:
@@ -449,7 +542,29 @@ def _table(
                 "for any fp32 engine computing these products."
             )
     t.notes += _attention_floor_notes(rows)
+    t.notes += _vllm_notes(rows)
     return t
+
+
+def _vllm_notes(rows: list[dict]) -> list[str]:
+    """What the vllm-* rows are, their start-up, and their tokens against fast-off's."""
+    peers = [r for r in rows if r["system"] in VLLM_SYSTEMS]
+    if not peers:
+        return []
+    notes = [
+        f"vllm-fp32 / vllm-bf16: vLLM {peers[0]['vllm']}'s CPU build, compiled, in fp32 / bf16, each in a "
+        f"process of its own with {peers[0]['threads']} OpenMP thread(s) bound to torch's cores here; its "
+        "rounds ran there before the others' (not interleaved with them)."
+    ]
+    for r in peers:
+        compile_s = f", compilation {r['compile_s']:.0f} s of it" if r.get("compile_s") else ""
+        line = f"{r['system']}: start-up {r['startup_s']:.0f} s{compile_s}, not counted"
+        share = r.get("tokens_identical_to_fast_off")
+        if share is not None:
+            expected = "expected: all" if r["system"] == "vllm-fp32" else "bf16 rounds otherwise"
+            line += f"; greedy tokens identical to fast-off's for {100 * share:.0f}% of requests ({expected})"
+        notes.append(line + ".")
+    return notes
 
 
 def _attention_floor_notes(rows: list[dict]) -> list[str]:
@@ -507,5 +622,5 @@ def plot(rows: list[dict], mixes: list[str], systems: list[str], out: Path) -> P
         ax.set_title(mix)
         ax.set_ylabel("output tokens/s")
         ax.tick_params(axis="x", labelrotation=30)
-    fig.suptitle("Fast engine vs transformers (SmolLM2-135M-Instruct, fp32)")
+    fig.suptitle("SmolLM2-135M-Instruct (fp32 unless named bf16)")
     return report.save_figure(fig, out, "throughput")

@@ -23,6 +23,7 @@ BENCHMARKS = {
     "distill-step": "distill_step",
     "serve": "serve",
     "vllm": "vllm_peer",
+    "kernels": "kernel_gains",
 }
 ALL = ["prefill", "throughput", "kvcache", "memory"]
 
@@ -41,6 +42,7 @@ tables show the median [min-max] over the rounds, and ratios are computed round 
   distill-step  a distillation micro-batch's time per loss and per bf16 weight handling
   serve       swiftkv serve (SwiftKV off/on) vs transformers serve under 1, 4, 16 concurrent chat clients
   vllm        vLLM with / without the SwiftKV plugin vs ours, fp32 and bf16 (`nox -s vllm`'s venv)
+  kernels     each C kernel's end-to-end gain over the library route (that kernel switched off)
   gpu         short CUDA benchmark for `nox -s gpu` (exits 0 with a message without CUDA)
   all         prefill, throughput, kvcache, memory
 

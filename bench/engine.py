@@ -143,7 +143,7 @@ def swiftkv_model(llm):
 def linear_kernels() -> dict[str, Any]:
     """The CPU model and the engine's linear-kernel plan of every layer shape built in this process
     ({"qkv (960x576)": "matmul <= 1, mkldnn above", ...}; empty before any engine is built)."""
-    from swiftkv_fast.model.linear_kernels import cpu_model, kernel_choices
+    from swiftkv_fast.kernels.linear_kernels import cpu_model, kernel_choices
 
     return {"cpu_model": cpu_model(), "linear_kernels": kernel_choices()}
 

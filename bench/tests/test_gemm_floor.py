@@ -61,7 +61,7 @@ def test_workload_flops_are_two_per_multiply_add_of_every_replayed_call(num_key_
 
 
 def test_peak_gflops_measures_every_kernel_that_runs_here():
-    from swiftkv_fast.model.linear_kernels import KERNELS
+    from swiftkv_fast.kernels.linear_kernels import KERNELS
 
     rates = gemm_floor.peak_gflops(size=64, repeats=1)
     assert rates and set(rates) <= set(KERNELS) and "linear" in rates
@@ -73,7 +73,7 @@ def test_peak_and_engine_follow_torch_matmul_precision(monkeypatch):
     engines of this process are built at too."""
     import torch
     import torch.nn.functional as F
-    from swiftkv_fast.model import linear_kernels as lk
+    from swiftkv_fast.kernels import linear_kernels as lk
 
     monkeypatch.setitem(lk.KERNELS, "bf16x3", lk.LinearKernel("bf16x3", lambda w: w, F.linear, "high"))
     before = torch.get_float32_matmul_precision()

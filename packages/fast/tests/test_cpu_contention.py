@@ -1,4 +1,4 @@
-"""The run-queue meter (model/cpu_contention.py) against a real busy process on our core."""
+"""The run-queue meter (kernels/cpu_contention.py) against a real busy process on our core."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from swiftkv_fast.model.cpu_contention import ContentionMeter, waited_seconds
+from swiftkv_fast.kernels.cpu_contention import ContentionMeter, waited_seconds
 
 linux_schedstat = pytest.mark.skipif(
     waited_seconds() is None or not hasattr(os, "sched_setaffinity"), reason="needs Linux schedstats"

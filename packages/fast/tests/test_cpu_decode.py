@@ -1,5 +1,6 @@
 """The compiled C decode kernel (kernels/cpu_decode.py) against the torch backend's gather + SDPA path:
-shapes, windows, padding rows, strided inputs, thread counts; and the fallback when it cannot run."""
+shapes, windows, padding rows, strided inputs, thread counts; and the plan's torch path where it does
+not apply or cannot be built."""
 
 from __future__ import annotations
 
@@ -8,13 +9,34 @@ import logging
 import pytest
 import torch
 from conftest import scattered_paged_cache
+from swiftkv_fast import envs
 from swiftkv_fast.attention import TorchBackend
 from swiftkv_fast.kernels import build, cpu_decode, native
+from swiftkv_fast.kernels.plan import plan_kernels
 
 needs_compiler = pytest.mark.skipif(
     build.compiler() is None or not cpu_decode.enabled(),
     reason="no C compiler (or decode in SWIFTKV_DISABLED_KERNELS): the compiled decode kernel is off",
 )
+# every C kernel but decode attention switched off: the plans below build (or fail to build) that one
+ALL_BUT_DECODE = frozenset(envs.KERNELS) - {cpu_decode.KERNEL}
+
+
+def compiled(q, k_cache, v_cache, seq_lens, block_tables, window, scale):
+    """The C kernel built for q's heads and the cache's dtype, as the plan hands it to the backend."""
+    fn = cpu_decode.kernel(q.shape[-1], q.shape[1] // k_cache.shape[2], k_cache.dtype)
+    assert fn is not None
+    return cpu_decode.decode_attention(fn, q, k_cache, v_cache, seq_lens, block_tables, window, scale)
+
+
+def plan_for(heads, kv_heads, dim, dtype=torch.float32, disabled=ALL_BUT_DECODE):
+    return plan_kernels(
+        "cpu", dtype, dtype, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, disabled=disabled
+    )
+
+
+def decode_choice(plan) -> str:
+    return plan.as_dict()["ops"]["decode attention"]["implementation"]
 
 
 def paged_case(seed, *, num_reqs, heads, kv_heads, dim, block_size, seq_lens, spare_blocks=2):
@@ -28,9 +50,7 @@ def paged_case(seed, *, num_reqs, heads, kv_heads, dim, block_size, seq_lens, sp
 
 
 def gathered(q, k_cache, v_cache, seq_lens, block_tables, window, scale):
-    return TorchBackend(compiled_decode=False).decode(
-        q, k_cache, v_cache, seq_lens, block_tables, window, scale
-    )
+    return TorchBackend().decode(q, k_cache, v_cache, seq_lens, block_tables, window, scale)
 
 
 @needs_compiler
@@ -45,8 +65,7 @@ def test_kernel_matches_gather_and_sdpa(heads, kv_heads, dim, block_size, window
     q, k, v, lens, tables = paged_case(
         0, num_reqs=5, heads=heads, kv_heads=kv_heads, dim=dim, block_size=block_size, seq_lens=seq_lens
     )
-    got = cpu_decode.decode_attention(q, k, v, lens, tables, window, dim**-0.5)
-    assert got is not None
+    got = compiled(q, k, v, lens, tables, window, dim**-0.5)
     want = gathered(q, k, v, lens, tables, window, dim**-0.5)
     # convex combinations of N(0, 1) values: 1e-5 is ~20 fp32 ulps (the kernel sums in another order)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -65,9 +84,9 @@ def test_bf16_cache_reads_as_its_values_widened(heads, kv_heads, dim, block_size
         5, num_reqs=4, heads=heads, kv_heads=kv_heads, dim=dim, block_size=block_size, seq_lens=seq_lens
     )
     k16, v16 = k.to(torch.bfloat16), v.to(torch.bfloat16)
-    got = cpu_decode.decode_attention(q, k16, v16, lens, tables, window, dim**-0.5)
-    assert got is not None and got.dtype == torch.float32
-    widened = cpu_decode.decode_attention(q, k16.float(), v16.float(), lens, tables, window, dim**-0.5)
+    got = compiled(q, k16, v16, lens, tables, window, dim**-0.5)
+    assert got.dtype == torch.float32
+    widened = compiled(q, k16.float(), v16.float(), lens, tables, window, dim**-0.5)
     # the same arithmetic on the same values (a widening mistake would be off by bf16's ~4e-3)
     torch.testing.assert_close(got, widened, rtol=1e-6, atol=1e-6)
     want = gathered(q, k16, v16, lens, tables, window, dim**-0.5)
@@ -83,7 +102,7 @@ def test_padding_rows_are_zero_and_leave_other_rows_alone():
     )
     lens[1] = 0  # a padding row: no context, its block table row left as the null block
     tables[1] = 0
-    got = cpu_decode.decode_attention(q, k, v, lens, tables, None, 0.25)
+    got = compiled(q, k, v, lens, tables, None, 0.25)
     assert torch.equal(got[1], torch.zeros_like(got[1]))
     rows = [0, 2]
     want = gathered(q[rows], k, v, lens[rows], tables[rows], None, 0.25)
@@ -102,9 +121,7 @@ def test_strided_inputs_as_the_model_passes_them():
     kv_cache[1, 0], kv_cache[1, 1] = k, v
     wide = torch.zeros(4, 2 * tables.shape[1], dtype=torch.int32)
     wide[:, ::2] = tables  # a strided view of it is the block table
-    got = cpu_decode.decode_attention(
-        qk[:, :6], kv_cache[1, 0], kv_cache[1, 1], lens.long(), wide[:, ::2], 5, 0.3
-    )
+    got = compiled(qk[:, :6], kv_cache[1, 0], kv_cache[1, 1], lens.long(), wide[:, ::2], 5, 0.3)
     want = gathered(q, k, v, lens, tables, 5, 0.3)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -117,9 +134,9 @@ def test_threads_do_not_change_the_result():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = cpu_decode.decode_attention(q, k, v, lens, tables, None, 0.125)
+        one = compiled(q, k, v, lens, tables, None, 0.125)
         torch.set_num_threads(2)
-        two = cpu_decode.decode_attention(q, k, v, lens, tables, None, 0.125)
+        two = compiled(q, k, v, lens, tables, None, 0.125)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)  # each (request, KV head) is one thread's work, in a fixed order
@@ -138,22 +155,30 @@ def test_fewer_requests_than_threads_split_the_heads(num_reqs):
     try:
         for n in [1, 2, 3, 8]:
             torch.set_num_threads(n)
-            got.append(cpu_decode.decode_attention(q, k, v, lens, tables, None, 0.2))
+            got.append(compiled(q, k, v, lens, tables, None, 0.2))
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(got[0], other) for other in got[1:])
     torch.testing.assert_close(got[0], gathered(q, k, v, lens, tables, None, 0.2), rtol=1e-5, atol=1e-5)
 
 
-def test_not_applicable_inputs_fall_back_to_gather():
+def test_not_applicable_shapes_and_dtypes_are_planned_as_gather():
+    """A head_dim the kernel is not built for, or bf16 queries: the plan hands the backend no decode
+    kernel, and the backend gathers; the kernel itself refuses queries it does not take."""
     q, k, v, lens, tables = paged_case(
         4, num_reqs=2, heads=4, kv_heads=2, dim=12, block_size=4, seq_lens=[5, 7]
     )
-    assert cpu_decode.decode_attention(q, k, v, lens, tables, None, 0.3) is None  # head_dim 12
-    q16, k16, v16 = (t[..., :8].to(torch.bfloat16) for t in (q, k, v))
-    assert cpu_decode.decode_attention(q16, k16, v16, lens, tables, None, 0.3) is None  # bf16
-    got = TorchBackend().decode(q, k, v, lens, tables, None, 0.3)
+    plan = plan_for(4, 2, 12)  # head_dim 12
+    assert plan.decode_attention is None and decode_choice(plan) == "torch SDPA"
+    got = TorchBackend.for_plan(plan).decode(q, k, v, lens, tables, None, 0.3)
     torch.testing.assert_close(got, gathered(q, k, v, lens, tables, None, 0.3))
+    plan = plan_for(4, 2, 8, dtype=torch.bfloat16)
+    assert plan.decode_attention is None and decode_choice(plan) == "torch SDPA"
+    q16, k16, v16 = (t[..., :8].to(torch.bfloat16) for t in (q, k, v))
+    got = TorchBackend.for_plan(plan).decode(q16, k16, v16, lens, tables, None, 0.3)
+    torch.testing.assert_close(got, gathered(q16, k16, v16, lens, tables, None, 0.3))
+    with pytest.raises(ValueError, match="fp32 CPU queries"):
+        cpu_decode.decode_attention(lambda *args: 0, q16, k16, v16, lens, tables, None, 0.3)
 
 
 def test_a_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
@@ -165,20 +190,29 @@ def test_a_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
     )
     with caplog.at_level(logging.WARNING, logger="swiftkv_fast"):
         for _ in range(2):
-            assert cpu_decode.decode_attention(q, k, v, lens, tables, None, 0.3) is None
-            got = TorchBackend().decode(q, k, v, lens, tables, None, 0.3)
+            plan = plan_for(4, 2, 8)
+            assert plan.decode_attention is None and decode_choice(plan) == "torch SDPA"
+            got = TorchBackend.for_plan(plan).decode(q, k, v, lens, tables, None, 0.3)
             torch.testing.assert_close(got, gathered(q, k, v, lens, tables, None, 0.3))
     assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
     assert "did not build" in caplog.records[0].message
 
 
-def test_switched_off_by_the_environment(monkeypatch):
-    monkeypatch.setenv("SWIFTKV_DISABLED_KERNELS", "decode")
-    q, k, v, lens, tables = paged_case(
-        6, num_reqs=2, heads=4, kv_heads=2, dim=8, block_size=4, seq_lens=[5, 7]
-    )
-    assert cpu_decode.kernel(8, 2) is None
-    assert cpu_decode.decode_attention(q, k, v, lens, tables, None, 0.3) is None
+@pytest.mark.parametrize("switch", ["env", "engine"])
+def test_switched_off_by_the_environment_or_the_engine(switch, monkeypatch):
+    if switch == "env":
+        monkeypatch.setenv("SWIFTKV_DISABLED_KERNELS", "decode")
+        assert cpu_decode.kernel(8, 2) is None
+        disabled = envs.disabled_kernels()  # what EngineConfig(disabled_kernels=None) resolves to
+    else:
+        monkeypatch.delenv("SWIFTKV_DISABLED_KERNELS", raising=False)
+        disabled = frozenset({"decode"})  # EngineConfig(disabled_kernels="decode")
+    plan = plan_for(4, 2, 8, disabled=ALL_BUT_DECODE | disabled)
+    assert plan.decode_attention is None
+    assert plan.as_dict()["ops"]["decode attention"] == {
+        "implementation": "torch SDPA",
+        "note": "decode in disabled_kernels",
+    }
 
 
 @needs_compiler
@@ -189,11 +223,11 @@ def test_bad_block_tables_raise_before_reading():
     too_long = lens.clone()
     too_long[1] = 4 * tables.shape[1] + 1
     with pytest.raises(ValueError, match="exceeds its block table"):
-        cpu_decode.decode_attention(q, k, v, too_long, tables, None, 0.3)
+        compiled(q, k, v, too_long, tables, None, 0.3)
     outside = tables.clone()
     outside[0, 1] = k.shape[0]
     with pytest.raises(ValueError, match="block id outside"):
-        cpu_decode.decode_attention(q, k, v, lens, outside, None, 0.3)
+        compiled(q, k, v, lens, outside, None, 0.3)
 
 
 @needs_compiler
@@ -209,6 +243,6 @@ def test_a_compiler_without_openmp_gets_a_one_thread_build(monkeypatch, tmp_path
         8, num_reqs=2, heads=4, kv_heads=2, dim=8, block_size=4, seq_lens=[5, 7]
     )
     with caplog.at_level(logging.INFO, logger="swiftkv_fast"):
-        got = cpu_decode.decode_attention(q, k, v, lens, tables, None, 0.3)
+        got = compiled(q, k, v, lens, tables, None, 0.3)  # builds the kernel
     assert any("one thread" in r.message for r in caplog.records)
     torch.testing.assert_close(got, gathered(q, k, v, lens, tables, None, 0.3), rtol=1e-5, atol=1e-5)

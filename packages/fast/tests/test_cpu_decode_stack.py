@@ -128,6 +128,7 @@ def test_stack_refuses_layers_of_other_widths(tiny):
     _, _, model = _engine(tiny, "swiftkv_g1", stacks=True)
     first = model.stacks[0]
     shape = dict(
+        kernel=first._kernel,  # the plan's built stack kernel
         kv_slot=model.kv_slot,
         num_heads=model.num_heads,
         num_kv_heads=model.num_kv_heads,
@@ -152,6 +153,12 @@ def test_bad_input_raises_before_anything_is_written(tiny):
     tables = torch.randint(1, 300, (2, 10), generator=g, dtype=torch.int32)
     positions = seq_lens.long() - 1
     cache_before = runner.kv_cache.clone()
+    assert stack.applies(h, runner.kv_cache)
+    # what the engine never passes: rows of another dtype, a cache of another dtype than it was built for
+    with pytest.raises(ValueError, match="decode stack"):
+        stack.applies(h.double(), runner.kv_cache)
+    with pytest.raises(ValueError, match="decode stack"):
+        stack.applies(h, runner.kv_cache.to(torch.bfloat16))
     cases = {
         "RoPE table": dict(positions=torch.tensor([5, 10**6])),
         "block table": dict(seq_lens=torch.tensor([20, 41], dtype=torch.int32)),  # 11 blocks of 4 > 10

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from conftest import at_thread_counts
 from swiftkv_fast.kernels import build, cpu_gemm, native
-from swiftkv_fast.model import linear_kernels as lk
+from swiftkv_fast.kernels import linear_kernels as lk
 
 needs_compiler = pytest.mark.skipif(
     build.compiler() is None or not cpu_gemm.enabled(),

@@ -109,16 +109,23 @@ def test_kv_memory_acrosskv(tiny):
 
 
 @pytest.mark.parametrize("name", ["swiftkv_g2", "hybrid_swiftkv"])
-def test_portable_ops_match_reference(tiny, name, monkeypatch):
+def test_portable_ops_match_reference(tiny, name):
     """The torch code of every op the C kernels replace on CPU (the path CUDA and compiler-less
     machines run): RMSNorm + residual, SiLU-and-mul, RoPE, the KV write, decode and prompt attention,
     and the linear layers without the panel GEMM."""
-    from swiftkv_fast.kernels import cpu_ops
-
-    monkeypatch.setattr(cpu_ops, "_resolved", [None])
-    monkeypatch.setenv("SWIFTKV_DISABLED_KERNELS", "decode,prefill,gemm")
     cfg, state, model = tiny(**TINY_MODELS[name])
-    llm = LLM.from_state_dict(cfg, state, return_logits=True, block_size=4, max_num_batched_tokens=90)
+    llm = LLM.from_state_dict(
+        cfg,
+        state,
+        return_logits=True,
+        block_size=4,
+        max_num_batched_tokens=90,
+        disabled_kernels="ops,decode,prefill,gemm",
+    )
+    ops = llm.get_kernel_plan()["ops"]
+    for op in ("row ops", "decode attention", "prefill attention"):
+        assert not ops[op]["implementation"].startswith("C"), (op, ops[op])
+    assert ops["decode stack"]["implementation"].startswith("none")
     prompts = random_prompts(4, cfg.vocab_size, LENGTHS[:4], seed=7)
     outs = llm.generate(
         prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False

@@ -44,9 +44,34 @@ def test_disabled_kernels_switch_off_the_named_ones(monkeypatch):
     assert envs.SWIFTKV_DISABLED_KERNELS == {"gemm", "decode"}
     assert not cpu_gemm.enabled() and not cpu_decode.enabled()
     assert cpu_gemm.four_bit_enabled()
-    assert cpu_gemm.unavailable_reason() == "gemm in SWIFTKV_DISABLED_KERNELS"
+    assert cpu_gemm.unavailable_reason() == "gemm in disabled_kernels"
     monkeypatch.setenv("SWIFTKV_DISABLED_KERNELS", "")
     assert cpu_gemm.enabled() and cpu_decode.enabled()
+
+
+def test_an_engines_own_list_replaces_the_environments_while_its_plan_is_built(monkeypatch):
+    """EngineConfig.disabled_kernels (None: the environment's list) is what `kernel_enabled` answers
+    from inside `kernels_disabled`, and only there."""
+    from swiftkv_fast.config import EngineConfig
+
+    monkeypatch.setenv("SWIFTKV_DISABLED_KERNELS", "gemm")
+    assert envs.disabled_kernels() == {"gemm"} and envs.disabled_kernels("decode, ops") == {"decode", "ops"}
+    assert envs.disabled_reason("gemm") == "gemm in disabled_kernels"
+    with envs.kernels_disabled(frozenset({"decode"})):
+        assert envs.disabled_kernels() == {"decode"}
+        assert cpu_gemm.enabled() and not cpu_decode.enabled()
+        with envs.kernels_disabled(frozenset()):
+            assert cpu_gemm.enabled() and cpu_decode.enabled()
+        assert not cpu_decode.enabled()
+    assert not cpu_gemm.enabled() and cpu_decode.enabled()
+    assert EngineConfig(device="cpu").disabled_kernels == frozenset({"gemm"})
+    assert EngineConfig(device="cpu", disabled_kernels="decode,prefill").disabled_kernels == {
+        "decode",
+        "prefill",
+    }
+    assert EngineConfig(device="cpu", disabled_kernels=["ops"]).disabled_kernels == frozenset({"ops"})
+    with pytest.raises(ValueError, match="unknown \\['gemmm'\\]"):
+        EngineConfig(device="cpu", disabled_kernels=["gemmm"])
 
 
 def test_an_unknown_kernel_name_is_refused_with_the_known_ones(monkeypatch):

@@ -24,16 +24,22 @@ def test_linear_matches_f_linear(rows, with_bias):
 
 @pytest.mark.parametrize("kernel", ["panel", "linear", "mkldnn"])
 @pytest.mark.parametrize("rows", [1, 16])
-def test_fused_calls_equal_the_ops_one_after_the_other(kernel, rows):
+@pytest.mark.parametrize("row_ops", ["torch", "C"])
+def test_fused_calls_equal_the_ops_one_after_the_other(kernel, rows, row_ops):
     """Linear.after_norm / after_silu_and_mul equal add_rms_norm / silu_and_mul then the Linear, whichever
-    kernel runs the row count (the panel GEMM fuses them into its packing, the others do not)."""
-    from swiftkv_fast.model.layers import add_rms_norm, silu_and_mul
-    from swiftkv_fast.model.linear_kernels import KernelChoice
+    kernel runs the row count (the panel GEMM fuses them into its packing, the others do not) and
+    whichever row ops the plan gave it (the torch functions, or the C ones of kernels/cpu_ops.py)."""
+    from swiftkv_fast.kernels import cpu_ops
+    from swiftkv_fast.kernels.linear_kernels import KernelChoice
+    from swiftkv_fast.model.layers import RowOps, add_rms_norm, silu_and_mul
 
+    lib = None
+    if row_ops == "C" and (lib := cpu_ops.load()) is None:
+        pytest.skip("the C row ops did not build here")
     g = torch.Generator().manual_seed(rows)
     w, b = torch.randn(48, 32, generator=g), torch.randn(48, generator=g)
     try:
-        lin = Linear(w, b, KernelChoice.single(kernel, w))
+        lin = Linear(w, b, KernelChoice.single(kernel, w), RowOps(lib))
     except (RuntimeError, AttributeError) as e:  # no compiler / no oneDNN here
         pytest.skip(f"{kernel} unavailable: {e}")
     norm_w = torch.rand(32, generator=g) + 0.5

@@ -1,4 +1,4 @@
-"""CPU linear kernels chosen by measurement (model/linear_kernels.py): numerics of each kernel, the choice
+"""CPU linear kernels chosen by measurement (kernels/linear_kernels.py): numerics of each kernel, the choice
 from injected timings, the per-machine cache file, fallbacks, the config field, greedy tokens."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from swiftkv_fast import LLM, SamplingParams
 from swiftkv_fast.config import LINEAR_KERNELS, EngineConfig
 from swiftkv_fast.kernels import cpu_amx
-from swiftkv_fast.model import linear_kernels as lk
+from swiftkv_fast.kernels import linear_kernels as lk
 from swiftkv_fast.model.layers import Linear
 from swiftkv_reference.testing import fp32_atol, random_state_dict, tiny_config
 
@@ -123,13 +123,14 @@ def test_chooser_picks_the_fastest_of_injected_timings_interleaved():
     assert ch.timed_cases == 5  # (48x16, 1) and (48x16, 16): 16 covers 10 rows
 
 
-def test_cache_round_trips_and_skips_the_timing(tmp_path, log):
+def test_cache_round_trips_and_skips_the_timing(tmp_path):
     seconds = {k: {1: 1.0, 16: 1.0} for k in lk.KERNELS} | {"matmul": {1: 0.5, 16: 0.1}}
     first = chooser(buckets=(1, 16), cache_dir=tmp_path, timer=fake_timer(seconds))
     w = torch.randn(32, 16)
     want = first.choose("o", w, None, 16).plan
     first.finish()
     assert first.cache_path.exists() and first.cache_path.parent == tmp_path
+    assert first.how().startswith("timed now")
 
     def no_timing(kernel, rows, call):
         raise AssertionError("timed although the cache has the case")
@@ -137,7 +138,7 @@ def test_cache_round_trips_and_skips_the_timing(tmp_path, log):
     second = chooser(buckets=(1, 16), cache_dir=tmp_path, timer=no_timing)
     assert second.choose("o", w, None, 16).plan == want == ((sys.maxsize, "matmul"),)
     second.finish()
-    assert "timings from" in log.records[-1].getMessage()
+    assert second.how() == "cached timings"  # what the kernel plan reports
 
 
 def test_a_case_timed_on_a_busy_machine_is_timed_again(tmp_path, log):

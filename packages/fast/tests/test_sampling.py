@@ -1,4 +1,5 @@
-"""The batched sampler reproduces the reference's seeded sampling token for token."""
+"""The batched sampler reproduces the reference's seeded sampling token for token, with the torch paths
+and with the C kernels the plan hands it (kernels/cpu_ops.py's argmax, kernels/cpu_sample.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 from conftest import random_prompts
 from swiftkv_fast import LLM, SamplingParams
+from swiftkv_fast.kernels import cpu_ops, cpu_sample
 from swiftkv_fast.sampler import sample, top_logprobs
 from swiftkv_reference.generate import generate as reference_generate
 from swiftkv_reference.sampling import SamplingSettings
@@ -22,7 +24,18 @@ SETTINGS = [
 ]
 
 
-def test_sampler_rows_equal_reference():
+@pytest.fixture(params=["torch", "C"])
+def kernels(request) -> dict:
+    """sample()'s kernel arguments: none (the torch paths), or the C ones as the plan loads them."""
+    if request.param == "torch":
+        return {}
+    row_ops, sample_kernels = cpu_ops.load(), cpu_sample.load()
+    if row_ops is None or sample_kernels is None:
+        pytest.skip("the C row ops or sampling kernels are not built (or not torch's draw) here")
+    return dict(row_ops=row_ops, sample_kernels=sample_kernels)
+
+
+def test_sampler_rows_equal_reference(kernels):
     torch.manual_seed(0)
     vocab = 300
     for step in range(5):
@@ -30,7 +43,7 @@ def test_sampler_rows_equal_reference():
         params = [SamplingParams(seed=i, **s) for i, s in enumerate(SETTINGS)]
         gens = [torch.Generator().manual_seed(100 * step + i) for i in range(len(SETTINGS))]
         ref_gens = [torch.Generator().manual_seed(100 * step + i) for i in range(len(SETTINGS))]
-        got = sample(logits, params, gens).token_ids
+        got = sample(logits, params, gens, **kernels).token_ids
         want = [
             reference_sample(logits[i], SamplingSettings(**s), ref_gens[i]) for i, s in enumerate(SETTINGS)
         ]
@@ -41,7 +54,7 @@ def test_sampler_rows_equal_reference():
 
 
 @pytest.mark.parametrize("banned", [None, [[1, 7], [], [0]]], ids=["unmasked", "banned"])
-def test_chosen_logprobs_without_the_full_log_softmax(banned):
+def test_chosen_logprobs_without_the_full_log_softmax(banned, kernels):
     """full_logprobs=False: the same tokens, generator draws and chosen logprobs (log_softmax of the raw
     logits at each token, within fp32 rounding) as with the whole (B, vocab) log_softmax, which is then
     not returned; a mask changes the choice, never the reported logprob."""
@@ -52,7 +65,7 @@ def test_chosen_logprobs_without_the_full_log_softmax(banned):
     results = []
     for full in (True, False):
         gens = [None, torch.Generator().manual_seed(5), None]
-        results.append(sample(logits, params, gens, banned, full_logprobs=full))
+        results.append(sample(logits, params, gens, banned, full_logprobs=full, **kernels))
     with_full, without = results
     assert without.logprobs is None and with_full.logprobs is not None
     assert without.token_ids == with_full.token_ids
@@ -113,7 +126,7 @@ def test_unseeded_requests_follow_engine_seed(tiny):
 
 
 @pytest.mark.parametrize("vocab", [1, 5, 64, 65, 300, 5000])
-def test_top_p_equals_the_reference_full_sort(vocab):
+def test_top_p_equals_the_reference_full_sort(vocab, kernels):
     """`_apply_top_p` sorts only the kept prefix; it must drop exactly what the reference's full stable
     sort drops: flat rows (a nucleus far past the first candidates, so the prefix grows to the whole
     row), peaked rows, runs of equal probabilities cut in the middle (the lowest ids kept), top-k's
@@ -136,9 +149,10 @@ def test_top_p_equals_the_reference_full_sort(vocab):
     x = torch.stack(rows)
     for top_p in (1e-6, 0.3, 0.5, 0.9, 0.95, 0.9999):
         tp = torch.full((x.shape[0],), top_p)
-        got = _apply_top_p(x, tp)
+        got = _apply_top_p(x, tp, kernels.get("sample_kernels"))
         want = torch.stack([apply_top_k_top_p(row, 0, top_p) for row in x])
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
     mixed = torch.tensor([0.2, 0.7, 0.95] * 4)[: x.shape[0]]  # each row its own top_p
     want = torch.stack([apply_top_k_top_p(row, 0, float(p)) for row, p in zip(x, mixed)])
-    torch.testing.assert_close(_apply_top_p(x, mixed), want, rtol=0, atol=0, equal_nan=True)
+    got = _apply_top_p(x, mixed, kernels.get("sample_kernels"))
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)

@@ -1,4 +1,4 @@
-"""The decode stack chosen by measurement (model/stack_timing.py): each half's stack runs at the decode
+"""The decode stack chosen by measurement (worker/stack_timing.py): each half's stack runs at the decode
 row buckets where it was timed faster than the per-op path; a half whose stack runs nowhere drops its
 spare panel layouts; timings are cached per machine, and not cached when the CPU was busy."""
 
@@ -11,9 +11,8 @@ import pytest
 from conftest import TINY_MODELS, random_prompts
 from swiftkv_fast import LLM, SamplingParams
 from swiftkv_fast.kernels import build, cpu_decode_stack
-from swiftkv_fast.model import stack_timing
-from swiftkv_fast.model.linear_kernels import cache_file
-from swiftkv_fast.worker import model_runner
+from swiftkv_fast.kernels.linear_kernels import cache_file
+from swiftkv_fast.worker import kernel_plan, stack_timing
 
 pytestmark = pytest.mark.skipif(
     build.compiler() is None or cpu_decode_stack.kernel(16, 2) is None,
@@ -27,7 +26,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 @pytest.fixture
 def untimed(monkeypatch):
     """Engines built without the start-up timing: each test times with its own timer."""
-    monkeypatch.setattr(model_runner, "choose_decode_stacks", lambda *a, **kw: {})
+    monkeypatch.setattr(kernel_plan, "choose_decode_stacks", lambda *a, **kw: {})
 
 
 def _engine(tiny, name="swiftkv_g1"):
@@ -98,7 +97,7 @@ def test_a_stack_that_never_wins_drops_its_spare_layouts(tiny, untimed, tmp_path
 
 
 def test_timings_are_cached_and_a_busy_cpu_is_not(tiny, untimed, tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger=stack_timing.logger.name)
+    caplog.set_level(logging.DEBUG, logger=stack_timing.logger.name)  # "timings cached" is a debug line
     _, _, runner = _engine(tiny)
     path = cache_file(tmp_path)
     seen: list = []
@@ -159,7 +158,7 @@ def test_engine_start_up_times_the_stacks_once_per_machine(tiny, monkeypatch, tm
         timed.append(args[2])
         return real(*args, **kw, waited=lambda: None)  # a busy test machine still caches here
 
-    monkeypatch.setattr(model_runner, "choose_decode_stacks", spy)
+    monkeypatch.setattr(kernel_plan, "choose_decode_stacks", spy)
     cfg, llm, runner = _engine(tiny)
     assert timed == [[1, 2, 4]]  # max_num_seqs 4
     cached = json.loads(next(tmp_path.rglob("linear_kernels-*.json")).read_text())["times"]

@@ -2,22 +2,30 @@
 one: gathered slots, grouped-query SDPA, per-step plan) and its SDPA prompt paths (per request and
 padded), against a naive per-request attention over the paged cache; the engine through every path."""
 
-import os
-
 import pytest
 import torch
 from conftest import naive_decode, naive_prefill
+from swiftkv_fast import envs
 from swiftkv_fast.attention import AttentionMetadata, TorchBackend
 from swiftkv_fast.kernels import build, cpu_decode, cpu_prefill
 
 
+def compiled_decode(head_dim: int, group: int):
+    """The decode kernel the plan would hand the backend for these heads and an fp32 cache, or a skip."""
+    if build.compiler() is None or not envs.kernel_enabled(cpu_decode.KERNEL):
+        pytest.skip("no C compiler (or decode in SWIFTKV_DISABLED_KERNELS): the compiled decode is off")
+    fn = cpu_decode.kernel(head_dim, group)
+    if fn is None:
+        pytest.skip("the decode kernel did not build here")
+    return fn
+
+
 @pytest.fixture(params=["compiled", "gather"])
 def backend(request):
+    """Both tests below use head_dim 8 and 3 query heads per KV head."""
     if request.param == "gather":
-        return TorchBackend(compiled_decode=False)
-    if build.compiler() is None or not cpu_decode.enabled():
-        pytest.skip("no C compiler (or decode in SWIFTKV_DISABLED_KERNELS): the compiled decode is off")
-    return TorchBackend()
+        return TorchBackend()
+    return TorchBackend(decode_kernel=compiled_decode(8, 3))
 
 
 @pytest.mark.parametrize("window", [None, 5])
@@ -45,9 +53,7 @@ def test_decode_matches_naive(window, backend):
     for _ in range(2):
         got = be.prefill(q, k_cache, v_cache, meta, window, 0.3)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert len(meta.backend_cache) == (0 if be.compiled_decode else 1)
-    if be.compiled_decode:  # the C kernel ran, not the fallback
-        assert cpu_decode.kernel(dim, heads // kv_heads) is not None
+    assert len(meta.backend_cache) == (0 if be.decode_kernel is not None else 1)  # the C kernel: no plan
 
 
 def test_decode_strided_query(backend):
@@ -78,7 +84,7 @@ def test_decode_in_chunks_of_requests(monkeypatch):
     q = torch.randn(3, 4, 8)
     want = naive_decode(q, k_cache, v_cache, seq_lens, block_tables, None, 0.4)
     monkeypatch.setattr(torch_backend, "DECODE_CHUNK_BYTES", 1)
-    got = TorchBackend(compiled_decode=False).decode(q, k_cache, v_cache, seq_lens, block_tables, None, 0.4)
+    got = TorchBackend().decode(q, k_cache, v_cache, seq_lens, block_tables, None, 0.4)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -124,7 +130,7 @@ def test_per_request_prefill_of_chunks_and_windows_matches_naive_attention(monke
         want = naive_prefill(q, k_cache, v_cache, q_lens, kv_lens, block_tables, window, 0.3)
         for cost in (SdpaCost(0.0, 1.0, 1.0), SdpaCost(1.0, 0.0, 0.0)):  # per request; padded
             monkeypatch.setattr(torch_backend, "sdpa_cost", lambda *args, c=cost: c)
-            got = TorchBackend(compiled_prefill=False).prefill(q, k_cache, v_cache, meta, window, 0.3)
+            got = TorchBackend().prefill(q, k_cache, v_cache, meta, window, 0.3)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -132,10 +138,12 @@ def test_per_request_prefill_of_chunks_and_windows_matches_naive_attention(monke
 def test_fresh_prompts_of_different_lengths_every_way_match_the_reference(tiny_engine_case, path):
     """One batch of fresh prompts of different lengths, with the per-request or the padded SDPA forced,
     or the compiled prefill kernel: greedy tokens and logits as the reference's."""
-    if path == "compiled" and (build.compiler() is None or not cpu_prefill.enabled()):
+    if path == "compiled" and (build.compiler() is None or not envs.kernel_enabled(cpu_prefill.KERNEL)):
         pytest.skip("no C compiler (or prefill in SWIFTKV_DISABLED_KERNELS): compiled prefill is off")
     run, expected = tiny_engine_case
-    tokens, logits = run(path)
+    tokens, logits, prefill = run(path)
+    # the plan's choice: the C kernel where it builds, SDPA where the engine switched it off
+    assert prefill.startswith("C" if path == "compiled" else "torch SDPA"), prefill
     assert tokens == expected[0]
     for got, want in zip(logits, expected[1]):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
@@ -158,19 +166,17 @@ def tiny_engine_case():
 
     def run(path: str):
         forced = SdpaCost(0.0, 1.0, 1.0) if path == "per_request" else SdpaCost(1.0, 0.0, 0.0)
-        real, env = torch_backend.sdpa_cost, os.environ.get("SWIFTKV_DISABLED_KERNELS")
+        real = torch_backend.sdpa_cost
         torch_backend.sdpa_cost = lambda *args: forced
-        if path != "compiled":
-            os.environ["SWIFTKV_DISABLED_KERNELS"] = "prefill"
+        disabled = envs.disabled_kernels() | ({"prefill"} if path != "compiled" else set())
         try:
-            llm = LLM.from_state_dict(cfg, state, return_logits=True, num_kv_blocks=64, max_model_len=128)
+            llm = LLM.from_state_dict(
+                cfg, state, return_logits=True, num_kv_blocks=64, max_model_len=128, disabled_kernels=disabled
+            )
             outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         finally:
             torch_backend.sdpa_cost = real
-            if env is None:
-                os.environ.pop("SWIFTKV_DISABLED_KERNELS", None)
-            else:
-                os.environ["SWIFTKV_DISABLED_KERNELS"] = env
-        return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logits for o in outs]
+        prefill = llm.get_kernel_plan()["ops"]["prefill attention"]["implementation"]
+        return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logits for o in outs], prefill
 
     return run, expected

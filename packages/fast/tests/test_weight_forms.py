@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from swiftkv_fast import LLM, SamplingParams
 from swiftkv_fast.kernels import build, cpu_amx, cpu_gemm
+from swiftkv_fast.kernels import linear_kernels as lk
 from swiftkv_fast.kernels.cpu_amx import Bf16x3Weight
 from swiftkv_fast.kernels.cpu_amx_q4 import Q4AmxWeight
 from swiftkv_fast.kernels.weight_forms import (
@@ -21,9 +22,8 @@ from swiftkv_fast.kernels.weight_forms import (
     q4_panels,
     q8_blocks,
 )
-from swiftkv_fast.model import linear_kernels as lk
 from swiftkv_fast.model.decode_stack import layer_linears, stack_panel
-from swiftkv_fast.model.stack_timing import stack_key
+from swiftkv_fast.worker.stack_timing import stack_key
 from swiftkv_reference.testing import (
     four_bit_state_dict,
     fp32_atol,
@@ -202,7 +202,8 @@ def test_q4_amx_is_a_candidate_for_four_bit_weights_only(monkeypatch):
 
 def test_kernels_this_machine_cannot_run_are_not_offered_and_not_called_failed(monkeypatch, caplog):
     """A CPU without AMX (here: the switch off) is not a failure: the AMX candidates are left out of the
-    timing with one info line, no warning, and the fp32 kernels are chosen as before."""
+    timing with their reason (`absent`, a line of the kernel plan), no warning, and the fp32 kernels are
+    chosen as before."""
     import logging
 
     monkeypatch.setenv("SWIFTKV_DISABLED_KERNELS", "amx")
@@ -214,8 +215,7 @@ def test_kernels_this_machine_cannot_run_are_not_offered_and_not_called_failed(m
     assert not {"q4-amx", "panel-amx"} & {k for _, k in choice.plan}
     assert not chooser.failed and {"q4-amx", "panel-amx"} <= set(chooser.absent)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
-    offered = [r.getMessage() for r in caplog.records if "not offered on this machine" in r.getMessage()]
-    assert len(offered) == 1 and "q4-amx (amx in SWIFTKV_DISABLED_KERNELS)" in offered[0]
+    assert chooser.absent["q4-amx"] == chooser.absent["panel-amx"] == "amx in disabled_kernels"
 
 
 amx = pytest.mark.skipif(cpu_amx.unavailable_reason() is not None, reason="no AMX here")

@@ -15,10 +15,30 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import os
 import sys
 import time
 from pathlib import Path
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown; the epilog (the environment variables' table) kept as written."""
+
+
+def _environment_epilog() -> str:
+    from swiftkv_fast import envs
+
+    width = max(map(len, envs.VARIABLES))
+    lines = [f"  {name:<{width}}  {var.doc}" for name, var in envs.VARIABLES.items()]
+    kernels = [f"  {name:<{width}}  {doc}" for name, doc in envs.KERNELS.items()]
+    return "\n".join(
+        [
+            "environment variables (docs/environment.md):",
+            *lines,
+            "",
+            "kernel names for --disabled-kernels:",
+            *kernels,
+        ]
+    )
 
 
 def _add_generate(sub) -> None:
@@ -28,7 +48,8 @@ def _add_generate(sub) -> None:
         description="Generate text. Prompts come from --prompt (repeatable), --prompts-file (one per line), "
         "or stdin (one per line) when neither is given. Without --model the embedded "
         "SmolLM2-135M-Instruct is used.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
+        epilog=_environment_epilog(),
     )
     p.add_argument(
         "--model", default=None, help="checkpoint directory (default: the embedded SmolLM2-135M-Instruct)"
@@ -130,6 +151,13 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "checkpoint; values exact in bf16), the others fall back to F.linear",
     )
     e.add_argument(
+        "--disabled-kernels",
+        default=None,
+        help="comma-separated C kernels this engine does not run (names below; the library / torch path "
+        "runs instead); default: $SWIFTKV_DISABLED_KERNELS. The kernel plan logged at start-up shows "
+        "what runs where",
+    )
+    e.add_argument(
         "--matmul-precision",
         default=default["matmul_precision"],
         choices=list(MATMUL_PRECISIONS),
@@ -166,6 +194,7 @@ def _engine_kwargs(args) -> dict:
         enable_prefix_caching=not args.no_prefix_caching,
         linear_kernel=args.linear_kernel,
         matmul_precision=args.matmul_precision,
+        disabled_kernels=args.disabled_kernels,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_init_method=args.distributed_init_method,
     )
@@ -188,7 +217,8 @@ def _add_serve(sub) -> None:
         "Needs the serve extra: pip install 'swiftkv-fast[serve]'. Examples: docs/serving.md. Exit status: 0 "
         "after SIGINT or SIGTERM (requests in flight are answered with an error), 2 for a bad flag or "
         "model, 3 when the engine died (for a supervisor to restart the server).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
+        epilog=_environment_epilog(),
     )
     p.add_argument(
         "model",
@@ -271,7 +301,8 @@ def _add_convert(sub) -> None:
         "runs as is, but its quality needs distillation. The output is written into a temporary directory "
         "next to DST and renamed into place at the end, so an interrupted conversion leaves nothing behind; "
         "the source is never modified.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
+        epilog=_environment_epilog(),
     )
     p.add_argument(
         "src", type=Path, metavar="SRC", help="plain checkpoint directory (config.json + *.safetensors)"
@@ -361,7 +392,9 @@ def _serve(args) -> int:
     if args.port is not None and not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.api_key is None:
-        args.api_key = os.environ.get("SWIFTKV_API_KEY") or None
+        from swiftkv_fast import envs
+
+        args.api_key = envs.SWIFTKV_API_KEY or None
     from swiftkv_fast.entrypoints.api_server import run_server
 
     return run_server(args, _engine_kwargs(args))

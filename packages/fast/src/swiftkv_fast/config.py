@@ -195,10 +195,14 @@ class EngineConfig:
             self.disabled_kernels = envs.disabled_kernels(value)
             return
         if not all(isinstance(v, str) for v in value):
-            raise TypeError(f"disabled_kernels must be a comma-separated str or a sequence of str, got {value!r}")
+            raise TypeError(
+                f"disabled_kernels must be a comma-separated str or a sequence of str, got {value!r}"
+            )
         unknown = set(value) - envs.KERNELS.keys()
         if unknown:
-            raise ValueError(f"disabled_kernels: unknown {sorted(unknown)}; expected names from {sorted(envs.KERNELS)}")
+            raise ValueError(
+                f"disabled_kernels: unknown {sorted(unknown)}; expected names from {sorted(envs.KERNELS)}"
+            )
         self.disabled_kernels = frozenset(value)
 
     def _check_tensor_parallel(self) -> None:

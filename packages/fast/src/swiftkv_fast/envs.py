@@ -7,7 +7,8 @@ docs/environment.md holds.
 
 The C kernels' on/off switches are one list, SWIFTKV_DISABLED_KERNELS (like VLLM_DISABLED_KERNELS):
 `SWIFTKV_DISABLED_KERNELS=gemm,decode` runs the library / portable torch path for those two. A name
-not in KERNELS is refused with the list of known ones.
+not in KERNELS is refused with the list of known ones. An engine reads it once, as the default of
+`EngineConfig.disabled_kernels`, and builds its kernel plan under its own list (`kernels_disabled`).
 """
 
 from __future__ import annotations
@@ -41,8 +42,7 @@ def _kernel_list(value: str, what: str = "SWIFTKV_DISABLED_KERNELS") -> frozense
     unknown = names - KERNELS.keys()
     if unknown:
         raise ValueError(
-            f"{what}={value!r}: unknown {sorted(unknown)}; "
-            f"expected names from {sorted(KERNELS)}"
+            f"{what}={value!r}: unknown {sorted(unknown)}; expected names from {sorted(KERNELS)}"
         )
     return names
 

@@ -263,8 +263,15 @@ class TorchBackend(AttentionBackend):
         # q: (T, H, D), the prompt rows of meta's requests (none has a single query unless all do)
         if self.prefill_kernel is not None:
             return cpu_prefill.prefill_attention(
-                self.prefill_kernel, q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-                window, scale,
+                self.prefill_kernel,
+                q,
+                k_cache,
+                v_cache,
+                meta.cu_seqlens_q,
+                meta.seq_lens,
+                meta.block_tables,
+                window,
+                scale,
             )
         if q.is_cpu:
             lens, kv_lens = q_lens.tolist(), meta.seq_lens.tolist()

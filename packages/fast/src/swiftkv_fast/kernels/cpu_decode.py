@@ -78,7 +78,7 @@ def decode_attention(
     block_tables: torch.Tensor,
     window: int | None,
     scale: float,
-) -> torch.Tensor | None:
+) -> torch.Tensor:
     """q: (R, H, D) fp32; k_cache, v_cache: (num_blocks, block_size, kv_heads, D) fp32 or bf16; seq_lens
     (R,) int; block_tables (R, max_blocks) int -> (R, H, D). `fn`: `kernel(D, H / kv_heads, cache dtype)`."""
     num_reqs, num_heads, head_dim = q.shape

@@ -13,9 +13,9 @@ whose rows are not dense. Bad positions or slots raise ValueError with nothing w
 
 from __future__ import annotations
 
-import torch
-
 from types import SimpleNamespace
+
+import torch
 
 from swiftkv_fast.kernels import native
 
@@ -70,7 +70,9 @@ def silu_and_mul(lib: SimpleNamespace, gate_up: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"silu_and_mul: an odd width {gate_up.shape[1]}")
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((rows, inter), dtype=torch.float32)
-    lib.silu_and_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, inter, torch.get_num_threads())
+    lib.silu_and_mul(
+        gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, inter, torch.get_num_threads()
+    )
     return out
 
 
@@ -87,7 +89,9 @@ def argmax_logsumexp_rows(lib: SimpleNamespace, x: torch.Tensor) -> tuple[torch.
     return _argmax(lib, x, True)
 
 
-def _argmax(lib: SimpleNamespace, x: torch.Tensor, logsumexp: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _argmax(
+    lib: SimpleNamespace, x: torch.Tensor, logsumexp: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     x = _rows(x, "argmax")
     if x.shape[1] == 0:
         raise ValueError("argmax over an empty vocabulary")
@@ -150,10 +154,16 @@ def write_kv(
     row = kv_heads * head_dim
     name = {torch.float32: "write_kv", torch.bfloat16: "write_kv_bf16"}.get(kv_cache.dtype)
     if not kv_cache.is_cpu or name is None or not k.dtype == v.dtype == torch.float32:
-        raise ValueError(f"write_kv: fp32 K/V into an fp32 or bf16 CPU cache, got {k.dtype} into {kv_cache.dtype}")
+        raise ValueError(
+            f"write_kv: fp32 K/V into an fp32 or bf16 CPU cache, got {k.dtype} into {kv_cache.dtype}"
+        )
     if kv_cache.stride()[2:] != (block_size * row, row, head_dim, 1):
         raise ValueError("write_kv: the cache's blocks are not dense")
-    if k.shape != v.shape or k.shape[1:] != (n_layers, kv_heads, head_dim) or k.shape[0] != slot_mapping.shape[0]:
+    if (
+        k.shape != v.shape
+        or k.shape[1:] != (n_layers, kv_heads, head_dim)
+        or k.shape[0] != slot_mapping.shape[0]
+    ):
         raise ValueError(f"write_kv: K {tuple(k.shape)}, V {tuple(v.shape)}, {slot_mapping.shape[0]} slots")
     k, v = _dense_rows(k), _dense_rows(v)
     slots = slot_mapping.to(torch.int64).contiguous()

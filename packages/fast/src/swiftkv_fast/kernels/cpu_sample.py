@@ -75,10 +75,14 @@ def topk_values(kernels: SampleKernels, x: torch.Tensor, k: int) -> torch.Tensor
     """torch.topk(x, k, dim=-1).values for fp32 CPU rows x (B, V) without NaN, 1 <= k <= V: (B, k), each
     row descending. Top-p's sorted prefix (sampler.py): a heap pass over each row."""
     if not (x.is_cpu and x.dtype == torch.float32 and x.dim() == 2) or not 1 <= k <= x.shape[1]:
-        raise ValueError(f"topk_values: fp32 CPU (B, V) rows and 1 <= k <= V, got {x.dtype} {tuple(x.shape)}, {k}")
+        raise ValueError(
+            f"topk_values: fp32 CPU (B, V) rows and 1 <= k <= V, got {x.dtype} {tuple(x.shape)}, {k}"
+        )
     x = x if x.stride(1) == 1 else x.contiguous()
     out = torch.empty(x.shape[0], k, dtype=torch.float32)
-    kernels.topk_values(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], k, out.data_ptr(), torch.get_num_threads())
+    kernels.topk_values(
+        x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], k, out.data_ptr(), torch.get_num_threads()
+    )
     return out
 
 

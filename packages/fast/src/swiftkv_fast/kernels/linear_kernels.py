@@ -68,10 +68,10 @@ from swiftkv_fast import envs
 from swiftkv_fast.kernels import build, cpu_amx, cpu_gemm
 from swiftkv_fast.kernels.cpu_amx import MATMUL_PRECISIONS, Bf16x3Weight
 from swiftkv_fast.kernels.cpu_amx_q4 import Q4AmxWeight
+from swiftkv_fast.kernels.cpu_contention import ContentionMeter, waited_seconds
 from swiftkv_fast.kernels.cpu_gemm import PanelWeight
 from swiftkv_fast.kernels.weight_forms import FormMismatch, bf16_exact, q4_blocks, q8_blocks, remembered
 from swiftkv_fast.logger import init_logger
-from swiftkv_fast.kernels.cpu_contention import ContentionMeter, waited_seconds
 
 logger = init_logger(__name__)
 
@@ -100,6 +100,7 @@ class LinearKernel:
     # why this machine cannot run it (a CPU without AMX, a switch off), None where it can: such a kernel
     # is not offered, where a failing one (a private op missing in this torch) is logged as failed
     unavailable: Callable[[], str | None] = lambda: None
+    fp32_only: bool = False  # its layouts hold fp32 weights (or exact forms of them): not for bf16 models
 
     def permitted(self, precision: str) -> bool:
         """The kernel may run under the matmul precision level `precision` (MATMUL_PRECISIONS)."""
@@ -127,13 +128,16 @@ KERNELS = {
     "linear": LinearKernel("linear", lambda w: w, F.linear),
     "matmul": LinearKernel("matmul", lambda w: w.t().contiguous(), _matmul),
     "mkldnn": LinearKernel("mkldnn", _mkldnn_pack, _mkldnn),
-    "panel": LinearKernel("panel", PanelWeight, _own_linear, unavailable=cpu_gemm.unavailable_reason),
+    "panel": LinearKernel(
+        "panel", PanelWeight, _own_linear, unavailable=cpu_gemm.unavailable_reason, fp32_only=True
+    ),
     "bf16x3": LinearKernel(
         "bf16x3",
         Bf16x3Weight,
         _own_linear,
         precision="high",
         unavailable=cpu_amx.unavailable_reason,
+        fp32_only=True,
     ),
     "q4-amx": LinearKernel(
         "q4-amx",
@@ -499,7 +503,7 @@ class LinearKernelChooser:
             if k not in self.failed
             and kern.permitted(self.precision)
             and (kern.forms is None or form in kern.forms)
-            and self._here(k)
+            and self._here(k, weight.dtype)
         ]
         known = self.times.setdefault(shape, {})
         missing = [b for b in buckets if not set(names) <= set(known.get(b, {}))]
@@ -526,8 +530,14 @@ class LinearKernelChooser:
             self.timed_cases += len(missing)
         return {b: {k: known[b][k] for k in names} for b in buckets}
 
-    def _here(self, kernel: str) -> bool:
-        """The kernel can run on this machine (else noted in `absent`, and logged once by `finish`)."""
+    def _here(self, kernel: str, dtype: torch.dtype = torch.float32) -> bool:
+        """The kernel can run on this machine, for weights of `dtype` (else noted in `absent`, which the
+        kernel plan reports)."""
+        if KERNELS[kernel].fp32_only and dtype != torch.float32:
+            self.absent.setdefault(
+                kernel, f"fp32 weights only, these are {str(dtype).removeprefix('torch.')}"
+            )
+            return False
         if kernel not in self.absent:
             reason = KERNELS[kernel].unavailable()
             if reason is None:

@@ -101,8 +101,11 @@ def plan_kernels(
 
         ops = why_not("ops") or _built(lib := cpu_ops.load())
         plan.row_ops = None if ops else lib
-        plan.add("row ops", "C (csrc/row_ops.c)" if ops is None else "torch", ops or "RMSNorm + residual, "
-                 "SiLU-and-mul, RoPE, KV writes, greedy argmax")
+        plan.add(
+            "row ops",
+            "C (csrc/row_ops.c)" if ops is None else "torch",
+            ops or "RMSNorm + residual, SiLU-and-mul, RoPE, KV writes, greedy argmax",
+        )
 
         group = num_heads // num_kv_heads
         shape = cpu_decode.supports_shape(head_dim, group) and build.kv_bf16(kv_dtype) is not None
@@ -110,14 +113,24 @@ def plan_kernels(
         unfit = None if shape else f"no build for {heads}"
         decode = why_not("decode") or unfit or _built(fn := cpu_decode.kernel(head_dim, group, kv_dtype))
         plan.decode_attention = None if decode else fn
-        plan.add("decode attention", "C (csrc/decode_attention.c)" if decode is None else "torch SDPA",
-                 decode or heads)
+        plan.add(
+            "decode attention",
+            "C (csrc/decode_attention.c)" if decode is None else "torch SDPA",
+            decode or heads,
+        )
 
         unfit = unfit or (None if cpu_prefill.supports_shape(head_dim, group) else f"no build for {heads}")
-        prefill = why_not("prefill") or unfit or _built(fn := cpu_prefill.kernel(head_dim, group, kv_dtype=kv_dtype))
+        prefill = (
+            why_not("prefill")
+            or unfit
+            or _built(fn := cpu_prefill.kernel(head_dim, group, kv_dtype=kv_dtype))
+        )
         plan.prefill_attention = None if prefill else fn
-        plan.add("prefill attention", "C (csrc/prefill_attention.c)" if prefill is None else "torch SDPA",
-                 prefill or heads)
+        plan.add(
+            "prefill attention",
+            "C (csrc/prefill_attention.c)" if prefill is None else "torch SDPA",
+            prefill or heads,
+        )
 
         stack = why_not("decode-stack") or why_not("gemm") or decode
         if stack is None and tensor_parallel_size > 1:
@@ -130,9 +143,15 @@ def plan_kernels(
         # the sampler reads fp32 logits on the host whatever the model's device and dtype
         sample = None if envs.kernel_enabled("sample") else envs.disabled_reason("sample")
         kernels = None if sample else cpu_sample.load()
-        sample = sample or (None if kernels is not None else "not built, or it does not match torch's draw here")
+        sample = sample or (
+            None if kernels is not None else "not built, or it does not match torch's draw here"
+        )
         plan.sample = kernels
-        plan.add("seeded sampling", "C (csrc/sample.c)" if sample is None else "torch", sample or "exponential race, top-k")
+        plan.add(
+            "seeded sampling",
+            "C (csrc/sample.c)" if sample is None else "torch",
+            sample or "exponential race, top-k",
+        )
     return plan
 
 
@@ -140,7 +159,15 @@ def isa_label() -> str:
     """The instruction sets the C kernels use here: SWIFTKV_CPU_MAX_ISA's cap applied to the CPU's."""
     flags = set(cpuinfo_field("flags").split())
     order = ["generic", "avx2", "avx512", "amx"]
-    have = "amx" if "amx_tile" in flags else "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "generic"
+    have = (
+        "amx"
+        if "amx_tile" in flags
+        else "avx512"
+        if "avx512f" in flags
+        else "avx2"
+        if "avx2" in flags
+        else "generic"
+    )
     cap = build.max_isa()
     return have if cap == "native" else min(have, cap, key=order.index)
 

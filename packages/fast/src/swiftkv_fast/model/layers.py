@@ -39,7 +39,17 @@ class Linear:
     LinearKernelChooser picks them by measurement); without one, F.linear on W as it is.
     """
 
-    __slots__ = ("in_features", "out_features", "bias", "layouts", "plan", "ops", "_bounds", "_runs", "_panels")
+    __slots__ = (
+        "in_features",
+        "out_features",
+        "bias",
+        "layouts",
+        "plan",
+        "ops",
+        "_bounds",
+        "_runs",
+        "_panels",
+    )
 
     def __init__(
         self,

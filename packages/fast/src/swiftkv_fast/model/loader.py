@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 
 from swiftkv_fast.config import EngineConfig
+from swiftkv_fast.kernels.linear_kernels import LinearKernelChooser, row_buckets, weights_exceed_cache
 from swiftkv_fast.logger import init_logger
 from swiftkv_fast.model.kv_cache_layout import KVCacheLayout
 from swiftkv_fast.model.layers import Linear, RowOps
-from swiftkv_fast.kernels.linear_kernels import LinearKernelChooser, row_buckets, weights_exceed_cache
 from swiftkv_fast.model.swiftkv_model import LayerWeights, ModelWeights
 
 logger = init_logger(__name__)

@@ -22,7 +22,6 @@ from collections.abc import Callable
 import torch
 
 from swiftkv_fast.kernels.linear_kernels import (
-    FORM_NAMES,
     MAX_SAMPLES,
     MIN_SAMPLES,
     evict_caches,
@@ -39,10 +38,14 @@ CASE_BUDGET_S = 0.5  # more samples while one phase has taken less than this (bo
 
 
 def forms_key(weights_shapes: str, decode_rows: int, prefill_rows: int, cold: bool) -> str:
-    return f"weight-forms {weights_shapes} decode {decode_rows} prefill {prefill_rows}{' cold' if cold else ''}"
+    return (
+        f"weight-forms {weights_shapes} decode {decode_rows} prefill {prefill_rows}{' cold' if cold else ''}"
+    )
 
 
-def step_call(model, kv_cache: torch.Tensor, num_groups: int, rows: int, query_len: int) -> Callable[[], object]:
+def step_call(
+    model, kv_cache: torch.Tensor, num_groups: int, rows: int, query_len: int
+) -> Callable[[], object]:
     """One whole step: `rows` requests of `query_len` fresh tokens (prefill) or of one token after a
     block of context (decode, query_len 1), over the null block, writing nothing."""
     block_size = kv_cache.shape[3]
@@ -50,14 +53,18 @@ def step_call(model, kv_cache: torch.Tensor, num_groups: int, rows: int, query_l
     blocks = [0] * -(-(start + query_len) // block_size)
     gen = torch.Generator().manual_seed(rows * query_len)
     tokens = torch.randint(0, model.w.embed.shape[0], (rows * query_len,), generator=gen).tolist()
-    step = StepInput(tokens, [start] * rows, [query_len] * rows, [True] * rows, [[blocks] * rows] * num_groups)
+    step = StepInput(
+        tokens, [start] * rows, [query_len] * rows, [True] * rows, [[blocks] * rows] * num_groups
+    )
     inp = build_model_input(step, block_size, kv_cache.device)
     for group in inp.groups:
         group.slot_mapping.fill_(-1)  # K/V writes skipped: the cache stays as it was
 
     def call():
         h = model.first_half(inp, kv_cache)
-        return model.second_half(h, inp.sampled_positions, inp.sampled_seq_lens, inp.sampled_block_tables, kv_cache)
+        return model.second_half(
+            h, inp.sampled_positions, inp.sampled_seq_lens, inp.sampled_block_tables, kv_cache
+        )
 
     return call
 

@@ -12,6 +12,7 @@ from swiftkv_reference.memory import device_memory_bytes
 
 from swiftkv_fast import envs
 from swiftkv_fast.kernels.linear_kernels import (
+    FORM_NAMES,
     LinearKernelChooser,
     cache_file,
     row_buckets,
@@ -40,7 +41,9 @@ def build_model(config, econf, layout, state_dict, tp, plan: KernelPlan, backend
 
     def make(forms: bool):
         with envs.kernels_disabled(plan.disabled):
-            weights, chooser = build_weights(config, state_dict, econf, layout, ops, decode_stack=stack, forms=forms)
+            weights, chooser = build_weights(
+                config, state_dict, econf, layout, ops, decode_stack=stack, forms=forms
+            )
         model = SwiftKVModel(
             weights,
             num_key_value_layers=config.num_key_value_layers,
@@ -58,7 +61,9 @@ def build_model(config, econf, layout, state_dict, tp, plan: KernelPlan, backend
         stacks = {}
         if stack and auto_cpu:
             decode = min(econf.max_num_seqs, econf.max_num_batched_tokens)
-            buckets = [b for b in row_buckets(econf.max_num_seqs, econf.max_num_batched_tokens) if b <= decode]
+            buckets = [
+                b for b in row_buckets(econf.max_num_seqs, econf.max_num_batched_tokens) if b <= decode
+            ]
             stacks = choose_decode_stacks(model, kv_cache, buckets, cache_path=cache_path, cold=cold)
         return model, chooser, stacks
 
@@ -76,7 +81,7 @@ def _judge_forms(make, compact, econf, layout, state_dict, kv_cache, cache_path,
     """The compact forms' build or the plain fp32 one, whichever serves whole steps faster (see
     worker/form_timing.py); -> (model, chooser, stacks, the plan's note)."""
     chooser = compact[1]
-    names = "/".join(sorted(form_timing.FORM_NAMES.get(f, f) for f in chooser.forms_found))
+    names = "/".join(sorted(FORM_NAMES.get(f, f) for f in chooser.forms_found))
     weight_bytes = sum(t.numel() for t in state_dict.values()) * econf.dtype.itemsize
     memory = device_memory_bytes(econf.device)
     if memory is not None and 2 * weight_bytes > memory // 2:
@@ -92,7 +97,9 @@ def _judge_forms(make, compact, econf, layout, state_dict, kv_cache, cache_path,
     if times is None:
         plain = make(forms=False)
         models = {"compact": compact[0], "fp32": plain[0]}
-        times = form_timing.time_forms(models, kv_cache, layout.num_groups, rows["decode"], rows["prefill"], cold)
+        times = form_timing.time_forms(
+            models, kv_cache, layout.num_groups, rows["decode"], rows["prefill"], cold
+        )
         form_timing.save_times_of(cache_path, key, rows, times)
     keep, why = form_timing.choose(times)
     if keep == "compact":
@@ -108,7 +115,9 @@ def add_measured(
         plan.add("linears", "F.linear", "not on CPU")
         return
     where = f" in {chooser.cache_path}" if chooser.cache_path and chooser.kernel == "auto" else ""
-    plan.add("linears", chooser.how(), f"{_mib(chooser.extra_bytes)} of layouts beyond one copy of each weight")
+    plan.add(
+        "linears", chooser.how(), f"{_mib(chooser.extra_bytes)} of layouts beyond one copy of each weight"
+    )
     for label, described in chooser.choices.items():
         plan.add(f"  {label}", described, _mib(chooser.choice_bytes.get(label, 0)))
     reasons: dict[str, list[str]] = {}

@@ -23,13 +23,13 @@ from swiftkv_fast.distributed.parallel_state import SINGLE, TensorParallelGroup
 from swiftkv_fast.kernels.plan import plan_kernels
 from swiftkv_fast.logger import init_logger
 from swiftkv_fast.model.kv_cache_layout import KVCacheLayout
-from swiftkv_fast.worker.kernel_plan import build_model
 from swiftkv_fast.model.tp_sharding import TensorParallelShard
 from swiftkv_fast.sampler import sample, top_logprobs
 from swiftkv_fast.scheduler_output import SchedulerOutput
 from swiftkv_fast.worker.cuda_graph import SecondHalfGraphs
 from swiftkv_fast.worker.host_allocator import tune_for_inference
 from swiftkv_fast.worker.input_batch import StepInput, build_model_input
+from swiftkv_fast.worker.kernel_plan import build_model
 from swiftkv_fast.worker.kv_cache import allocate_kv_cache, num_blocks_for
 
 logger = init_logger(__name__)
@@ -94,9 +94,13 @@ class ModelRunner:
                 f"max_model_len={econf.max_model_len} tokens ({self.blocks_per_request} blocks + the null "
                 "block): give it more memory or lower max_model_len"
             )
-        self.backend = get_attention_backend(econf.attention_backend, self.device, econf.block_size, self.plan)
+        self.backend = get_attention_backend(
+            econf.attention_backend, self.device, econf.block_size, self.plan
+        )
         self.kv_cache = allocate_kv_cache(layout, self.num_blocks, self.device)
-        self.model = build_model(config, econf, layout, state_dict, tp, self.plan, self.backend, self.kv_cache)
+        self.model = build_model(
+            config, econf, layout, state_dict, tp, self.plan, self.backend, self.kv_cache
+        )
         if tp.rank == 0:
             logger.info("%s", self.plan.table())
         self.graphs = self.make_graphs()

@@ -31,9 +31,7 @@ import torch
 
 from swiftkv_fast.attention.base import AttentionMetadata
 from swiftkv_fast.kernels import build
-from swiftkv_fast.logger import init_logger
 from swiftkv_fast.kernels.cpu_contention import ContentionMeter, waited_seconds
-from swiftkv_fast.model.decode_stack import DecodeStack, layer_linears, stack_panel
 from swiftkv_fast.kernels.linear_kernels import (
     BUSY_SHARE,
     MAX_SAMPLES,
@@ -44,6 +42,8 @@ from swiftkv_fast.kernels.linear_kernels import (
     save_times,
     wall_time,
 )
+from swiftkv_fast.logger import init_logger
+from swiftkv_fast.model.decode_stack import DecodeStack, layer_linears, stack_panel
 from swiftkv_fast.model.model_input import GroupBatch, ModelInput
 
 logger = init_logger(__name__)

@@ -122,8 +122,16 @@ def _table(dtype: str, rows: list[dict]) -> report.Table:
         title=f"vLLM with and without the SwiftKV plugin vs ours, {dtype} (medians; x vllm at {dtype})",
         columns=["mix", "system", "prefill tok/s", "x vllm", "output tok/s", "x vllm", "TTFT ms", "start s"],
         rows=[
-            [r["mix"], r["system"], r["prefill_tok_s"], r.get("prefill_x_vllm"), r["output_tok_s"],
-             r.get("output_x_vllm"), r["ttft_ms"], r["startup_s"]]
+            [
+                r["mix"],
+                r["system"],
+                r["prefill_tok_s"],
+                r.get("prefill_x_vllm"),
+                r["output_tok_s"],
+                r.get("output_x_vllm"),
+                r["ttft_ms"],
+                r["startup_s"],
+            ]
             for r in rows
         ],  # fmt: skip
     )

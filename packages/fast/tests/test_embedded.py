@@ -24,6 +24,15 @@ def test_chat_answers_paris(llm):
     assert "Paris" in text, text
 
 
+def test_chat_answers_paris_in_bf16():
+    """bf16 weights and activations (emulated on a CPU without bf16 units), an fp32 residual stream and
+    fp32 logits: the first answer token is 0.08 ahead of the next in fp32, a tie in bf16 logits."""
+    bf16 = LLM(max_model_len=1024, kv_cache_memory=64 << 20, dtype="bfloat16")
+    assert bf16.get_kernel_plan()["dtype"] == "bfloat16"
+    out = bf16.chat([{"role": "user", "content": QUESTION}], SamplingParams(temperature=0, max_tokens=12))
+    assert "Paris" in out[0].outputs[0].text, out[0].outputs[0].text
+
+
 def test_text_prompt_and_stop_string(llm):
     out = llm.generate(
         "The capital of France is", SamplingParams(temperature=0, max_tokens=8, stop=["Paris"])

@@ -15,6 +15,7 @@ from swiftkv_fast.attention.flash_backend import validate_block_size
 from swiftkv_fast.distributed.parallel_state import parse_init_method
 from swiftkv_fast.kernels._common import interpreting
 from swiftkv_fast.kernels.cpu_amx import MATMUL_PRECISIONS
+from swiftkv_fast.kernels.plan import cpu_bf16_units
 
 DTYPES = {
     "float32": torch.float32,
@@ -37,7 +38,9 @@ class EngineConfig:
     model: str | None = None  # checkpoint directory; None: the embedded SmolLM2-135M-Instruct
     num_key_value_layers: int | None = None  # SwiftKV L; on a plain checkpoint: convert on the fly
     key_value_group_size: int | None = None  # AcrossKV G
-    dtype: str | torch.dtype = "auto"  # auto: fp32 on CPU, bf16 on CUDA
+    # auto: the checkpoint's (`follow_checkpoint`): on CPU fp32 stays fp32 and bf16 / fp16 run in bf16
+    # where the CPU has bf16 units (fp32 where it has none); on CUDA bf16
+    dtype: str | torch.dtype = "auto"
     kv_cache_dtype: str | torch.dtype = "auto"  # KV_CACHE_DTYPES; auto: the model's dtype (resolved in place)
     device: str = "auto"  # auto: cuda when available
     block_size: int = 16
@@ -90,6 +93,8 @@ class EngineConfig:
         if self.attention_backend == "flash_attn":  # before any loading or allocation
             validate_block_size(self.block_size)
         self._check_device()
+        self.dtype_is_auto = isinstance(self.dtype, str) and self.dtype == "auto"
+        self.kv_cache_dtype_is_auto = isinstance(self.kv_cache_dtype, str) and self.kv_cache_dtype == "auto"
         self._check_dtype()
         self._check_backend()
         self._check_kv_cache_dtype()
@@ -134,6 +139,28 @@ class EngineConfig:
                 f"dtype must be 'auto', one of {sorted(DTYPES)} or torch.float32 / bfloat16 / float16, "
                 f"got {self.dtype!r}"
             )
+
+    def follow_checkpoint(self, stored: torch.dtype) -> str | None:
+        """Resolves dtype="auto" (and kv_cache_dtype="auto" with it) by the dtype the checkpoint's weights
+        are stored in, as vLLM's "auto" does; returns a line to log where the choice needs a word (a
+        bf16 checkpoint on a CPU without bf16 units runs in fp32, faster there), else None."""
+        if not self.dtype_is_auto or torch.device(self.device).type != "cpu":
+            return None
+        note = None
+        if stored in (torch.bfloat16, torch.float16):
+            if cpu_bf16_units():
+                self.dtype = torch.bfloat16
+            else:
+                self.dtype = torch.float32
+                note = (
+                    f"the checkpoint is {str(stored).removeprefix('torch.')} but this CPU has no bf16 units "
+                    "(AVX512-BF16, AMX-BF16): running in float32, faster here (dtype='bfloat16' forces bf16)"
+                )
+        else:
+            self.dtype = torch.float32
+        if self.kv_cache_dtype_is_auto:
+            self.kv_cache_dtype = self.dtype
+        return note
 
     def _check_backend(self) -> None:
         on_cuda = torch.device(self.device).type == "cuda"

@@ -39,11 +39,33 @@ from swiftkv_fast.inputs import (
     validate_request,
 )
 from swiftkv_fast.logger import init_logger
-from swiftkv_fast.model.loader import apply_swiftkv_options, chat_token_ids, load_checkpoint, load_tokenizer
+from swiftkv_fast.model.loader import (
+    apply_swiftkv_options,
+    chat_token_ids,
+    checkpoint_dtype,
+    load_checkpoint,
+    load_tokenizer,
+)
 from swiftkv_fast.outputs import CompletionOutput, RequestOutput
 from swiftkv_fast.sampling_params import SamplingParams, describe
 
 logger = init_logger(__name__)
+
+
+def _follow(econf: EngineConfig, stored: torch.dtype) -> None:
+    """dtype="auto" resolved by the checkpoint's stored dtype (EngineConfig.follow_checkpoint)."""
+    note = econf.follow_checkpoint(stored)
+    if note:
+        logger.info("%s", note)
+
+
+def _dtype_of(state_dict) -> torch.dtype:
+    """The dtype most floating-point values of an in-memory state dict are in."""
+    sizes: dict[torch.dtype, int] = {}
+    for t in state_dict.values():
+        if t.is_floating_point():
+            sizes[t.dtype] = sizes.get(t.dtype, 0) + t.numel()
+    return max(sizes, key=sizes.get, default=torch.float32)
 
 
 class LLM:
@@ -52,6 +74,7 @@ class LLM:
         config, state_dict, model_dir = load_checkpoint(
             econf.model, econf.num_key_value_layers, econf.key_value_group_size
         )
+        _follow(econf, checkpoint_dtype(model_dir))
         if tokenizer is None:
             tokenizer = _try_load_tokenizer(model_dir)
         self._start(econf, config, state_dict, tokenizer, str(model_dir))
@@ -60,6 +83,7 @@ class LLM:
     def from_state_dict(cls, config, state_dict, tokenizer=None, **kwargs) -> LLM:
         """An engine over an in-memory (SwiftKVConfig, state_dict); the state dict is not modified."""
         econf = EngineConfig(**kwargs)
+        _follow(econf, _dtype_of(state_dict))
         config, state_dict = apply_swiftkv_options(
             config, state_dict, econf.num_key_value_layers, econf.key_value_group_size
         )

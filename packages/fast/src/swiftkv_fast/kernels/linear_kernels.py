@@ -410,6 +410,7 @@ class LinearKernelChooser:
         max_rows: int,
         shared: bool = False,
         spare: str | None = None,
+        copied: int = 0,
     ) -> KernelChoice:
         """The layouts and plan of one Linear over W (out, in) that runs at most `max_rows` rows.
         `shared`: W's storage is kept anyway (the tied lm_head's embedding), so 'linear' costs nothing.
@@ -417,9 +418,9 @@ class LinearKernelChooser:
         chosen by measurement (the decode stack's panel GEMM: worker/stack_timing.py times the stack
         against the per-op path, then drops the spare where the stack does not run)."""
         with remembered(weight):  # its block form is found once, not once per layout packed
-            return self._choose(name, weight, bias, max_rows, shared, spare)
+            return self._choose(name, weight, bias, max_rows, shared, spare, copied)
 
-    def _choose(self, name, weight, bias, max_rows, shared, spare) -> KernelChoice:
+    def _choose(self, name, weight, bias, max_rows, shared, spare, copied=0) -> KernelChoice:
         if not self.on_cpu:
             return KernelChoice.single("linear", weight)
         layouts: dict[str, torch.Tensor] = {}
@@ -436,9 +437,9 @@ class LinearKernelChooser:
         kept = {k for _, k in plan}
         for k in kept - set(layouts):  # chosen from cached timings: packed here
             if not self._pack(k, weight, layouts):
-                return self._without(key, k, name, weight, bias, max_rows, shared)
+                return self._without(key, k, name, weight, bias, max_rows, shared, copied)
         layouts = {k: layouts[k] for k in kept}
-        extra = self._extra_bytes(weight, layouts, shared)
+        extra = self._extra_bytes(weight, layouts, shared) + copied
         self.extra_bytes += extra
         if spare == "panel" and self.kernel == "auto":
             spare = self._faster_panel(times)
@@ -464,10 +465,10 @@ class LinearKernelChooser:
         timed = [k for k in ("panel", "panel-amx") if all(k in t for t in decode)]
         return min(timed, key=lambda k: sum(t[k] for t in decode)) if timed else "panel"
 
-    def _without(self, key, kernel, name, weight, bias, max_rows, shared) -> KernelChoice:
+    def _without(self, key, kernel, name, weight, bias, max_rows, shared, copied=0) -> KernelChoice:
         for t in self.times.get(key, {}).values():
             t.pop(kernel, None)
-        return self._choose(name, weight, bias, max_rows, shared, None)
+        return self._choose(name, weight, bias, max_rows, shared, None, copied)
 
     def _pack(self, kernel: str, weight: torch.Tensor, layouts: dict[str, torch.Tensor]) -> bool:
         """Packs W for `kernel` into `layouts` and checks one call runs; False (logged once) if not."""

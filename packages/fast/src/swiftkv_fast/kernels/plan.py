@@ -42,7 +42,8 @@ class KernelPlan:
     kv_dtype: torch.dtype
     disabled: frozenset[str]
     isa: str | None  # the instruction set the C kernels are built for; None off CPU
-    row_ops: SimpleNamespace | None = None  # csrc/row_ops.c: norms, SiLU-and-mul, RoPE, KV writes, argmax
+    row_ops: SimpleNamespace | None = None  # csrc/row_ops.c: norms, SiLU-and-mul, RoPE, KV writes
+    sampler_ops: SimpleNamespace | None = None  # the same library for the greedy argmax of host fp32 logits
     decode_attention: Callable | None = None  # csrc/decode_attention.c for the model's heads and cache
     prefill_attention: Callable | None = None  # csrc/prefill_attention.c, likewise
     sample: cpu_sample.SampleKernels | None = None  # csrc/sample.c: the seeded race and top-k
@@ -96,6 +97,12 @@ def plan_kernels(
     on_cpu = device.type == "cpu"
     plan = KernelPlan(str(device), dtype, kv_dtype, frozenset(disabled), isa_label() if on_cpu else None)
     with envs.kernels_disabled(plan.disabled):
+        if on_cpu and dtype in (torch.bfloat16, torch.float16) and not cpu_bf16_units():
+            plan.add(
+                "bf16 units",
+                "none on this CPU",
+                "bf16 products are emulated by the libraries: float32 is usually faster here",
+            )
         fp32 = on_cpu and dtype == torch.float32
         why_not = _why_not(on_cpu, fp32)
 
@@ -104,7 +111,7 @@ def plan_kernels(
         plan.add(
             "row ops",
             "C (csrc/row_ops.c)" if ops is None else "torch",
-            ops or "RMSNorm + residual, SiLU-and-mul, RoPE, KV writes, greedy argmax",
+            ops or "RMSNorm + residual, SiLU-and-mul, RoPE, KV writes",
         )
 
         group = num_heads // num_kv_heads
@@ -141,6 +148,14 @@ def plan_kernels(
             plan.add("decode stack", "none: layers op by op", stack)
 
         # the sampler reads fp32 logits on the host whatever the model's device and dtype
+        argmax = None if envs.kernel_enabled("ops") else envs.disabled_reason("ops")
+        argmax = argmax or _built(lib := cpu_ops.load())
+        plan.sampler_ops = None if argmax else lib
+        plan.add(
+            "greedy argmax",
+            "C (csrc/row_ops.c)" if argmax is None else "torch",
+            argmax or "over host fp32 logits",
+        )
         sample = None if envs.kernel_enabled("sample") else envs.disabled_reason("sample")
         kernels = None if sample else cpu_sample.load()
         sample = sample or (
@@ -153,6 +168,12 @@ def plan_kernels(
             sample or "exponential race, top-k",
         )
     return plan
+
+
+def cpu_bf16_units() -> bool:
+    """The CPU multiplies bf16 in hardware (AVX512-BF16 or AMX-BF16), as oneDNN's bf16 kernels need."""
+    flags = set(cpuinfo_field("flags").split())
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
 def isa_label() -> str:

@@ -110,13 +110,15 @@ def add_rms_norm(
     h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
     """A residual add, then the next norm: h += delta in place (no add when delta is None), returns
-    RMSNorm(h) * weight as a new tensor. h, delta: (T, hidden)."""
+    RMSNorm(h) * weight as a new tensor in the weight's dtype. h, delta: (T, hidden). A bf16 model keeps
+    its residual stream h in fp32 (model/swiftkv_model.py): the norm reads it whole and rounds once,
+    where the linear after it reads bf16."""
     x = h if delta is None else h.add_(delta)
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one fused pass; same math in fp32
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    return weight * xf.to(weight.dtype)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

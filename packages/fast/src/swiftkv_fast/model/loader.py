@@ -45,6 +45,13 @@ def load_checkpoint(
     return config, state_dict, model_dir
 
 
+def checkpoint_dtype(model_dir: str | Path) -> torch.dtype:
+    """The dtype most of the checkpoint's weights are stored in (what dtype="auto" follows)."""
+    from swiftkv_reference.checkpoint import stored_dtype
+
+    return stored_dtype(model_dir)
+
+
 def apply_swiftkv_options(config, state_dict, num_key_value_layers, key_value_group_size):
     """Normalize and check the checkpoint, then convert a plain one on the fly when SwiftKV is asked for."""
     from swiftkv_reference.checkpoint import check_state_dict, normalize_state_dict, swiftkv_init
@@ -93,6 +100,7 @@ def build_weights(
     ops: RowOps | None = None,
     decode_stack: bool = False,
     forms: bool = True,
+    linear_kernel: str | None = None,
 ) -> tuple[ModelWeights, LinearKernelChooser]:
     """Fuse q/k/v, gate/up, and all group leaders' k/v_proj_swiftkv; drop unused teacher weights. Each
     Linear's kernels are chosen by econf.linear_kernel (kernels/linear_kernels.py): layers < L and the
@@ -100,12 +108,13 @@ def build_weights(
     per running request. `ops`: the row ops the plan chose (the norm / SiLU fused in front of a
     linear); `decode_stack`: the decoder layers' linears keep a panel layout for the decode stack
     (model/decode_stack.py) until worker/stack_timing.py has timed it; `forms`: weights exactly in a
-    compact form (kernels/weight_forms.py) may get its layouts. Returns the weights and the chooser
-    (its choices, memory and timing, for the kernel plan)."""
+    compact form (kernels/weight_forms.py) may get its layouts; `linear_kernel`: overrides
+    econf.linear_kernel. Returns the weights and the chooser (its choices, memory and timing, for the
+    kernel plan)."""
     L, n = config.num_key_value_layers, config.num_hidden_layers
     dtype, device = econf.dtype, econf.device
     kernels = LinearKernelChooser(
-        econf.linear_kernel,
+        linear_kernel or econf.linear_kernel,
         device,
         row_buckets(econf.max_num_seqs, econf.max_num_batched_tokens),
         cache_dir=kernel_cache_dir(),
@@ -131,8 +140,8 @@ def build_weights(
 
     stack_spare = "panel" if decode_stack else None
 
-    def linear(name, weight, bias=None, rows=every_row, shared=False, spare=None):
-        choice = kernels.choose(name, weight, bias, rows, shared=shared, spare=spare)
+    def linear(name, weight, bias=None, rows=every_row, shared=False, spare=None, copied=0):
+        choice = kernels.choose(name, weight, bias, rows, shared=shared, spare=spare, copied=copied)
         return Linear(weight, bias, choice, ops)
 
     layers = []
@@ -168,10 +177,19 @@ def build_weights(
         )
     embed = t("model.embed_tokens.weight")
     tied = "lm_head.weight" not in sd
-    lm_head = linear("lm_head", embed if tied else t("lm_head.weight"), rows=sampled_rows, shared=tied)
+    # the logits in fp32 whatever the weights' dtype: bf16 logits round to 8 bits, so that near ties
+    # (the embedded model's first answer token: 0.08 apart in fp32) become exact ones. On CPU the libraries
+    # give no bf16 product with an fp32 output, so the lm_head (and the norm in front of it) keeps fp32
+    # weights; the kernel plan reports the memory this costs.
+    head_dtype = torch.float32 if torch.device(device).type == "cpu" else dtype
+    head = sd["model.embed_tokens.weight" if tied else "lm_head.weight"]
+    head = head.to(device=device, dtype=head_dtype).contiguous()
+    # a tied head in another dtype than the embedding is a copy of it
+    copied = head.numel() * head.element_size() if tied and head_dtype != dtype else 0
+    lm_head = linear("lm_head", head, rows=sampled_rows, shared=tied and head_dtype == dtype, copied=copied)
     weights = ModelWeights(
         embed=embed,
-        norm=t("model.norm.weight"),
+        norm=sd["model.norm.weight"].to(device=device, dtype=head_dtype).contiguous(),
         lm_head=lm_head,
         layers=layers,
         rope_inv_freq=rope_inv_freq(config),

@@ -138,12 +138,14 @@ class SwiftKVModel:
         return self._layer_tail(h, o.flatten(1), lw)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        # (T,) -> (T, hidden); a rank looks up the ids of its vocab rows, zeros elsewhere, then the sum
+        # (T,) -> (T, hidden) fp32: the residual stream stays fp32 whatever the weights' dtype (each
+        # layer adds its bf16 outputs to it; its norms read it whole). A rank looks up the ids of its
+        # vocab rows, zeros elsewhere, then the sum.
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.w.embed)
+            return F.embedding(input_ids, self.w.embed).float()
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.w.embed.shape[0])
-        h = F.embedding(local.masked_fill(outside, 0), self.w.embed)
+        h = F.embedding(local.masked_fill(outside, 0), self.w.embed).float()
         return self.tp.all_reduce(h.masked_fill_(outside[:, None], 0))
 
     @torch.inference_mode()

@@ -18,7 +18,7 @@ from swiftkv_fast.kernels.linear_kernels import (
     row_buckets,
     weights_exceed_cache,
 )
-from swiftkv_fast.kernels.plan import KernelPlan
+from swiftkv_fast.kernels.plan import KernelPlan, cpu_bf16_units
 from swiftkv_fast.model.layers import RotaryTable, RowOps
 from swiftkv_fast.model.loader import build_weights, kernel_cache_dir
 from swiftkv_fast.model.swiftkv_model import SwiftKVModel
@@ -36,13 +36,24 @@ def build_model(config, econf, layout, state_dict, tp, plan: KernelPlan, backend
     ops = RowOps(plan.row_ops)
     stack = plan.decode_stack is not None
     auto_cpu = plan.device == "cpu" and econf.linear_kernel == "auto"
+    linear_kernel = None
+    if auto_cpu and econf.dtype != torch.float32 and not cpu_bf16_units():
+        # every candidate emulates bf16 products here, slowly: timing them would take minutes
+        linear_kernel, auto_cpu = "linear", False
     cache_path = cache_file(kernel_cache_dir()) if auto_cpu else None
     cold = weights_exceed_cache(state_dict, econf.dtype)
 
     def make(forms: bool):
         with envs.kernels_disabled(plan.disabled):
             weights, chooser = build_weights(
-                config, state_dict, econf, layout, ops, decode_stack=stack, forms=forms
+                config,
+                state_dict,
+                econf,
+                layout,
+                ops,
+                decode_stack=stack,
+                forms=forms,
+                linear_kernel=linear_kernel,
             )
         model = SwiftKVModel(
             weights,

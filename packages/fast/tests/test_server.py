@@ -316,7 +316,9 @@ def test_api_key_guards_v1_routes_only(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny", "tiny-alias"]
     for route in ("/health", "/version", "/metrics"):
         assert httpx.get(f"{server.url}{route}", timeout=TIMEOUT).status_code == 200, route
-    assert httpx.get(f"{server.url}/version", timeout=TIMEOUT).json()["version"]
+    version = httpx.get(f"{server.url}/version", timeout=TIMEOUT).json()
+    assert version["version"] and version["kernel_plan"]["device"] == "cpu"  # the engine's kernel plan
+    assert "decode attention" in version["kernel_plan"]["ops"]
 
 
 def test_two_authorization_headers_are_refused(server):

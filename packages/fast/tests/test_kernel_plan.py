@@ -126,10 +126,10 @@ def test_the_compact_forms_are_kept_or_dropped_by_whole_steps(monkeypatch, tmp_p
     state = four_bit_state_dict(random_state_dict(cfg))
     timed = []
 
-    def fake_times(models, kv_cache, num_groups, decode_rows, prefill_rows, cold, timer=None):
+    def fake_times(models, kv_cache, num_groups, decode_rows, prefill_rows, cold, **kwargs):
         timed.append(sorted(models))
         fast, slow = {"decode": 1e-3, "prefill": 1e-2}, {"decode": 2e-3, "prefill": 2e-2}
-        return {form: fast if form == winner else slow for form in models}
+        return {form: fast if form == winner else slow for form in models}, 0.0  # undisturbed
 
     monkeypatch.setattr(form_timing, "time_forms", fake_times)
     llm = LLM.from_state_dict(cfg, state, num_key_value_layers=2, max_model_len=64)
@@ -143,3 +143,22 @@ def test_the_compact_forms_are_kept_or_dropped_by_whole_steps(monkeypatch, tmp_p
     assert timed == [["compact", "fp32"]]
     assert again.get_kernel_plan()["ops"]["weight forms"] == plan_ops["weight forms"]
     assert [o.outputs[0].token_ids for o in again.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
+
+
+@needs_compiler
+def test_forms_timed_on_a_busy_cpu_are_not_cached(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("SWIFTKV_CACHE", str(tmp_path))
+    cfg = tiny_config(num_hidden_layers=2)
+    state = four_bit_state_dict(random_state_dict(cfg))
+    timed = []
+
+    def busy_times(models, *args, **kwargs):
+        timed.append(1)
+        return {form: {"decode": 1e-3, "prefill": 1e-2} for form in models}, 0.5  # half the time waiting
+
+    monkeypatch.setattr(form_timing, "time_forms", busy_times)
+    with caplog.at_level(logging.WARNING, logger="swiftkv_fast"):
+        LLM.from_state_dict(cfg, state, max_model_len=64)
+        LLM.from_state_dict(cfg, state, max_model_len=64)
+    assert len(timed) == 2  # timed again: nothing was cached
+    assert sum("weight forms were timed" in r.getMessage() for r in caplog.records) == 2

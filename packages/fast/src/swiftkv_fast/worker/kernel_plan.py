@@ -12,6 +12,7 @@ from swiftkv_reference.memory import device_memory_bytes
 
 from swiftkv_fast import envs
 from swiftkv_fast.kernels.linear_kernels import (
+    BUSY_SHARE,
     FORM_NAMES,
     LinearKernelChooser,
     cache_file,
@@ -19,12 +20,15 @@ from swiftkv_fast.kernels.linear_kernels import (
     weights_exceed_cache,
 )
 from swiftkv_fast.kernels.plan import KernelPlan, cpu_bf16_units
+from swiftkv_fast.logger import init_logger
 from swiftkv_fast.model.layers import RotaryTable, RowOps
 from swiftkv_fast.model.loader import build_weights, kernel_cache_dir
 from swiftkv_fast.model.swiftkv_model import SwiftKVModel
 from swiftkv_fast.model.tp_sharding import TensorParallelShard
 from swiftkv_fast.worker import form_timing
 from swiftkv_fast.worker.stack_timing import choose_decode_stacks
+
+logger = init_logger(__name__)
 
 # the whole steps the weight forms are judged by (worker/form_timing.py): a decode batch and a prompt
 FORM_DECODE_ROWS, FORM_PREFILL_ROWS = 32, 512
@@ -108,10 +112,17 @@ def _judge_forms(make, compact, econf, layout, state_dict, kv_cache, cache_path,
     if times is None:
         plain = make(forms=False)
         models = {"compact": compact[0], "fp32": plain[0]}
-        times = form_timing.time_forms(
+        times, busy = form_timing.time_forms(
             models, kv_cache, layout.num_groups, rows["decode"], rows["prefill"], cold
         )
-        form_timing.save_times_of(cache_path, key, rows, times)
+        if busy <= BUSY_SHARE:
+            form_timing.save_times_of(cache_path, key, rows, times)
+        else:
+            logger.warning(
+                "the CPU was busy while the weight forms were timed (threads waited %.0f%% of the time for "
+                "a core): their choice holds for this process only",
+                100 * busy,
+            )
     keep, why = form_timing.choose(times)
     if keep == "compact":
         return (*compact, f"compact ({names}): {why}")

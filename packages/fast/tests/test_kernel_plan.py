@@ -162,3 +162,14 @@ def test_forms_timed_on_a_busy_cpu_are_not_cached(monkeypatch, tmp_path, caplog)
         LLM.from_state_dict(cfg, state, max_model_len=64)
     assert len(timed) == 2  # timed again: nothing was cached
     assert sum("weight forms were timed" in r.getMessage() for r in caplog.records) == 2
+
+
+@needs_compiler
+def test_the_forms_are_judged_within_a_short_max_model_len(monkeypatch, tmp_path):
+    """The whole steps the forms are timed by stay inside the RoPE table of a short max_model_len."""
+    monkeypatch.setenv("SWIFTKV_CACHE", str(tmp_path))
+    cfg = tiny_config(num_hidden_layers=2)
+    state = four_bit_state_dict(random_state_dict(cfg))
+    llm = LLM.from_state_dict(cfg, state, max_model_len=24, max_num_batched_tokens=16, max_num_seqs=4)
+    assert "whole steps" in llm.get_kernel_plan()["ops"]["weight forms"]["note"]
+    assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids

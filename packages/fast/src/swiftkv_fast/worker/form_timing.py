@@ -41,7 +41,7 @@ FORMS = ("compact", "fp32")
 PHASES = ("decode", "prefill")
 NOISE = 0.03  # the plain layouts must score this much better to be kept instead
 CASE_BUDGET_S = 1.0  # more samples while one phase has taken less than this (both forms together)
-DECODE_CONTEXT = 256  # tokens before each decode row (its attention reads them; the null block's)
+DECODE_CONTEXT = 256  # tokens up to each decode row (at most max_model_len; the null block's)
 
 
 def forms_key(weights_shapes: str, decode_rows: int, prefill_rows: int, cold: bool) -> str:
@@ -58,7 +58,8 @@ def step_call(
     """One whole step: `rows` requests of `query_len` fresh tokens (prefill) or of one token after
     DECODE_CONTEXT tokens (decode, query_len 1), over the null block, writing nothing."""
     block_size = kv_cache.shape[3]
-    start = DECODE_CONTEXT - 1 if query_len == 1 else 0
+    context = min(DECODE_CONTEXT, model.rotary.cos.shape[0])  # within max_model_len (the RoPE table)
+    start = context - 1 if query_len == 1 else 0
     blocks = [0] * -(-(start + query_len) // block_size)
     gen = torch.Generator().manual_seed(rows * query_len)
     tokens = torch.randint(0, model.w.embed.shape[0], (rows * query_len,), generator=gen).tolist()

@@ -178,7 +178,7 @@ def build_weights(
     embed = t("model.embed_tokens.weight")
     tied = "lm_head.weight" not in sd
     # the logits in fp32 whatever the weights' dtype: bf16 logits round to 8 bits, so that near ties
-    # (the embedded model's first answer token: 0.08 apart in fp32) become exact ones. On CPU the libraries
+    # between the best tokens become exact ones. On CPU the libraries
     # give no bf16 product with an fp32 output, so the lm_head (and the norm in front of it) keeps fp32
     # weights; the kernel plan reports the memory this costs.
     head_dtype = torch.float32 if torch.device(device).type == "cpu" else dtype

@@ -19,23 +19,14 @@ like theirs, timings taken while another process kept the threads waiting for a 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
 
-from swiftkv_fast.kernels.cpu_contention import ContentionMeter, waited_seconds
-from swiftkv_fast.kernels.linear_kernels import (
-    BUSY_SHARE,
-    MAX_SAMPLES,
-    MAX_TRIES,
-    MIN_SAMPLES,
-    evict_caches,
-    load_times,
-    save_times,
-    wall_time,
-)
+from swiftkv_fast.kernels.cpu_contention import waited_seconds
+from swiftkv_fast.kernels.linear_kernels import MIN_SAMPLES, load_times, save_times, wall_time
 from swiftkv_fast.worker.input_batch import StepInput, build_model_input
+from swiftkv_fast.worker.stack_timing import time_interleaved
 
 FORMS = ("compact", "fp32")
 PHASES = ("decode", "prefill")
@@ -95,37 +86,13 @@ def time_forms(
     worst = 0.0
     for phase, rows, query_len in (("decode", decode_rows, 1), ("prefill", 1, prefill_rows)):
         calls = {form: step_call(m, kv_cache, num_groups, rows, query_len) for form, m in models.items()}
-        with torch.inference_mode():
-            for call in calls.values():
-                call()  # warm-up
-            least = math.inf
-            for _ in range(MAX_TRIES):
-                meter = ContentionMeter(waited)
-                best = _best_of(calls, rows * query_len, cold, timer)
-                share = meter.share(torch.get_num_threads())
-                share = 0.0 if share is None else share  # unknown (not Linux): taken as undisturbed
-                if share < least:
-                    least = share
-                    for form in models:
-                        times[form][phase] = best[form]
-                if share <= BUSY_SHARE:
-                    break
-        worst = max(worst, least)
+        best, share = time_interleaved(
+            calls, rows * query_len, cold, timer, waited, CASE_BUDGET_S, MIN_SAMPLES + 1
+        )
+        for form in models:
+            times[form][phase] = best[form]
+        worst = max(worst, share)
     return times, worst
-
-
-def _best_of(calls: dict[str, Callable[[], object]], rows: int, cold: bool, timer) -> dict[str, float]:
-    best = dict.fromkeys(calls, math.inf)
-    spent, samples = 0.0, 0
-    while samples < MIN_SAMPLES + 1 or (samples < MAX_SAMPLES and spent < CASE_BUDGET_S):
-        for form, call in calls.items():
-            if cold:
-                evict_caches()
-            seconds = timer(form, rows, call)
-            best[form] = min(best[form], seconds)
-            spent += seconds
-        samples += 1
-    return best
 
 
 def choose(times: dict[str, dict[str, float]]) -> tuple[str, str]:

@@ -114,15 +114,47 @@ def _calls(model, half: int, rows: int, kv_cache: torch.Tensor) -> dict[str, Cal
     return {"ops": lambda: run(False), "stack": lambda: run(True)}
 
 
-def _measure(calls: dict[str, Callable[[], object]], rows: int, cold: bool, timer) -> dict[str, float]:
+def time_interleaved(
+    calls: dict[str, Callable[[], object]],
+    rows: int,
+    cold: bool,
+    timer=wall_time,
+    waited: Callable[[], float | None] = waited_seconds,
+    budget_s: float = CASE_BUDGET_S,
+    min_samples: int = MIN_SAMPLES,
+) -> tuple[dict[str, float], float]:
+    """({name: best seconds}, run-queue share) of `calls` after one warm-up call each, interleaved, best
+    of `min_samples` to MAX_SAMPLES rounds (more while under `budget_s`), the caches evicted first
+    where `cold`. A try whose threads waited more than BUSY_SHARE of the time for a core is taken again,
+    up to MAX_TRIES; the least disturbed one is returned with its share. Also the weight forms' timer
+    (worker/form_timing.py)."""
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        for call in calls.values():
+            call()  # warm-up: the per-op path's first call of a row count builds its plans
+    best_timed, best_share = {}, math.inf
+    for _ in range(MAX_TRIES):
+        meter = ContentionMeter(waited)
+        with torch.inference_mode():
+            timed = _best_of(calls, rows, cold, timer, budget_s, min_samples)
+        share = meter.share(threads)
+        share = 0.0 if share is None else share  # unknown (not Linux): taken as undisturbed
+        if share < best_share:
+            best_share, best_timed = share, timed
+        if share <= BUSY_SHARE:
+            break
+    return best_timed, best_share
+
+
+def _best_of(calls, rows: int, cold: bool, timer, budget_s: float, min_samples: int) -> dict[str, float]:
     best = dict.fromkeys(calls, math.inf)
     spent, samples = 0.0, 0
-    while samples < MIN_SAMPLES or (samples < MAX_SAMPLES and spent < CASE_BUDGET_S):
-        for path, call in calls.items():
+    while samples < min_samples or (samples < MAX_SAMPLES and spent < budget_s):
+        for name, call in calls.items():
             if cold:
                 evict_caches()
-            seconds = timer(path, rows, call)
-            best[path] = min(best[path], seconds)
+            seconds = timer(name, rows, call)
+            best[name] = min(best[name], seconds)
             spent += seconds
         samples += 1
     return best
@@ -131,24 +163,9 @@ def _measure(calls: dict[str, Callable[[], object]], rows: int, cold: bool, time
 def _time_half(model, half, rows_list, kv_cache, cold, timer, waited) -> tuple[dict, float]:
     """{rows: {path: best seconds}} and the worst run-queue share of the least disturbed tries."""
     times, worst = {}, 0.0
-    threads = torch.get_num_threads()
     for rows in rows_list:
-        calls = _calls(model, half, rows, kv_cache)
-        with torch.inference_mode():
-            for call in calls.values():
-                call()  # warm-up: the per-op path's first call of a row count builds its plans
-        best_share = math.inf
-        for _ in range(MAX_TRIES):
-            meter = ContentionMeter(waited)
-            with torch.inference_mode():
-                timed = _measure(calls, rows, cold, timer)
-            share = meter.share(threads)
-            share = 0.0 if share is None else share
-            if share < best_share:
-                best_share, times[rows] = share, timed
-            if share <= BUSY_SHARE:
-                break
-        worst = max(worst, best_share)
+        times[rows], share = time_interleaved(_calls(model, half, rows, kv_cache), rows, cold, timer, waited)
+        worst = max(worst, share)
     return times, worst
 
 

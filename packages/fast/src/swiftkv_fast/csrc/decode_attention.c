@@ -8,10 +8,10 @@
    threads), so that a block's K (or V) is read as one contiguous run. Per item: the scaled scores of
    every position, a softmax, then the weighted sum of V. Positions go in runs of DW inside one block: a
    run's DW dot products of one query fold into one vector of scores (lane_sums), its weighted V rows add
-   up in registers, and the rows PF_RUNS runs ahead are prefetched into L2 (a thread here is limited by
-   the misses it keeps in flight, and L1 prefetches would hold L1's few miss buffers). The kernel is
-   bound by its reads, not its arithmetic: a bf16 cache (-DKV_BF16=1) halves them, widening each run to
-   fp32 exactly in registers.
+   up in registers, and the run PF_RUNS ahead is prefetched a few lines per query head while this one
+   is used (a thread is limited by the misses it keeps in flight beside its arithmetic). The kernel is
+   bound by its reads: a bf16 cache (-DKV_BF16=1) halves them, widening each run to fp32 exactly in
+   registers.
 
    Build defines: HEAD_DIM (a multiple of 8, at most 256), GROUP (query heads per KV head, at most 16),
    KV_BF16. */
@@ -36,9 +36,8 @@
 #define NV (HEAD_DIM / DW)
 typedef float dvec __attribute__((vector_size(4 * DW), aligned(4)));
 typedef int32_t dveci __attribute__((vector_size(4 * DW)));
-/* output vectors accumulated at once per query group: GROUP x VCH of them stay in registers */
-#define VCAP (16 / GROUP > 0 ? 16 / GROUP : 1)
-#define VCH (NV % 8 == 0 && VCAP >= 8 ? 8 : NV % 4 == 0 && VCAP >= 4 ? 4 : NV % 2 == 0 && VCAP >= 2 ? 2 : 1)
+/* output vectors of one query accumulated at once in registers */
+#define VCH (NV % 8 == 0 ? 8 : NV % 4 == 0 ? 4 : NV % 2 == 0 ? 2 : 1)
 
 /* DW cached values at p as floats: bf16 widens to fp32 exactly (zero-extend, shift into the upper half) */
 #if KV_BF16 && DW == 16
@@ -85,31 +84,49 @@ static inline int64_t run_end(int64_t t, int64_t bs, int64_t n) {
     return end < n ? end : n;
 }
 
-/* Prefetch into L2 the rows [t, run_end(t)) of the run at p: width values each, row apart. */
-static inline void prefetch_run(const kv_t *p, int64_t rows, int64_t row, int64_t width) {
-    if (width == row) width *= rows, rows = 1;  /* every head's values: one contiguous stretch */
-    for (int64_t i = 0; i < rows; i++) {
-        const kv_t *r = p + i * row;
-        #pragma GCC unroll 4
-        for (int64_t j = 0; j < width; j += KV_LINE) __builtin_prefetch(r + j, 0, 1);
+/* Software prefetch of the run PF_RUNS ahead, spread over the steps of the run being read: a burst of
+   a whole run's lines at once fills the core's miss buffers and stalls the loads in between, while a
+   few lines per step keep the reads in flight beside the arithmetic. */
+#define PF_RUNS 2
+
+typedef struct {
+    const kv_t *p;                 /* the queued run: rows of width values, row apart */
+    int64_t rows, row, width;
+    int64_t i, j;                  /* the next line to prefetch: row i, value j */
+    int64_t per_step;              /* lines per prefetch_step */
+} prefetcher;
+
+static inline void prefetch_step(prefetcher *pf) {
+    for (int64_t c = pf->per_step; c > 0 && pf->i < pf->rows; c--) {
+        __builtin_prefetch(pf->p + pf->i * pf->row + pf->j, 0, 3);
+        if ((pf->j += KV_LINE) >= pf->width) pf->j = 0, pf->i++;
     }
 }
 
-#define PF_RUNS 2  /* runs prefetched ahead of the one being read */
+/* Queue the rows [0, rows) of the run at p (width values each, row apart) to be prefetched over `steps`
+   prefetch_step calls; what is left of the run queued before is prefetched now. */
+static inline void prefetch_queue(prefetcher *pf, const kv_t *p, int64_t rows, int64_t row, int64_t width,
+                                  int64_t steps) {
+    pf->per_step = INT64_MAX;
+    prefetch_step(pf);
+    if (width == row) width *= rows, rows = 1;  /* every head's values: one contiguous stretch */
+    const int64_t lines = rows * ((width + KV_LINE - 1) / KV_LINE);
+    *pf = (prefetcher){p, rows, row, width, 0, 0, (lines + steps - 1) / steps};
+}
 
 /* The prefetch cursor walks K's runs, then V's: *tp in [start, n) is K's run at *tp, in [n, n + len)
-   V's at *tp - len. One call prefetches the run at the cursor and moves it on. */
-static inline void prefetch_next(int64_t *tp, const kv_t *k, const kv_t *v, const int32_t *bt,
+   V's at *tp - len. One call queues the run at the cursor and moves the cursor on. */
+static inline void prefetch_next(prefetcher *pf, int64_t *tp, const kv_t *k, const kv_t *v, const int32_t *bt,
                                  int64_t block_stride, int64_t bs, int64_t row, int64_t width, int64_t start,
-                                 int64_t n) {
+                                 int64_t n, int64_t steps) {
     const int64_t len = n - start;
     if (*tp < n) {
         const int64_t e = run_end(*tp, bs, n);
-        prefetch_run(run_at(k, bt, block_stride, bs, row, *tp), e - *tp, row, width);
+        prefetch_queue(pf, run_at(k, bt, block_stride, bs, row, *tp), e - *tp, row, width, steps);
         *tp = e;  /* run_end never passes n */
     } else if (*tp < n + len) {
         const int64_t t = *tp - len, e = run_end(t, bs, n);
-        prefetch_run(run_at(v, bt, block_stride, bs, row, t), e - t, row, width);
+        prefetch_queue(pf, run_at(v, bt, block_stride, bs, row, t), e - t, row, width, steps);
         *tp = e + len;
     }
 }
@@ -118,20 +135,23 @@ static inline void prefetch_next(int64_t *tp, const kv_t *k, const kv_t *v, cons
    first query on; k, v point at head h0's values of block 0, row 0; s: (h1 - h0) * GROUP * (n - start)
    scores; o: (h1 - h0) * GROUP * HEAD_DIM outputs. Positions go in runs of up to DW inside one block
    (a position's values of these heads are adjacent, so a run is one contiguous stretch of memory),
-   the next run prefetched into L2 while this one is used: blocks sit anywhere in the cache. A run's
-   scores of one query come out as one vector (lane_sums), its outputs add up in registers. */
+   a later run prefetched while this one is used: blocks sit anywhere in the cache. A run's scores of
+   one query come out as one vector (lane_sums), its outputs add up in registers. */
 static void attend(const float *q, const kv_t *k, const kv_t *v, int64_t block_stride, const int32_t *bt,
                    int64_t bs, int64_t row, int64_t h0, int64_t h1, int64_t start, int64_t n, float scale,
                    float *s, float *o) {
     const int64_t len = n - start, heads = (h1 - h0) * GROUP, width = (h1 - h0) * HEAD_DIM;
     int64_t tp = start;
-    for (int d = 0; d < PF_RUNS; d++) prefetch_next(&tp, k, v, bt, block_stride, bs, row, width, start, n);
+    prefetcher pf = {0};
+    for (int d = 0; d < PF_RUNS; d++)
+        prefetch_next(&pf, &tp, k, v, bt, block_stride, bs, row, width, start, n, 1);
     for (int64_t t0 = start; t0 < n;) {
         const int64_t t1 = run_end(t0, bs, n), rows = t1 - t0;
         const kv_t *kr = run_at(k, bt, block_stride, bs, row, t0);
-        prefetch_next(&tp, k, v, bt, block_stride, bs, row, width, start, n);
+        prefetch_next(&pf, &tp, k, v, bt, block_stride, bs, row, width, start, n, heads);
         for (int64_t h = 0; h < h1 - h0; h++) {
             for (int g = 0; g < GROUP; g++) {
+                prefetch_step(&pf);
                 const float *qg = q + (h * GROUP + g) * HEAD_DIM;
                 dvec qv[NV], acc[DW];
                 for (int j = 0; j < NV; j++) qv[j] = *(const dvec *)(qg + DW * j);
@@ -171,22 +191,22 @@ static void attend(const float *q, const kv_t *k, const kv_t *v, int64_t block_s
     for (int64_t t0 = start; t0 < n;) {
         const int64_t t1 = run_end(t0, bs, n), rows = t1 - t0;
         const kv_t *vr = run_at(v, bt, block_stride, bs, row, t0);
-        prefetch_next(&tp, k, v, bt, block_stride, bs, row, width, start, n);
+        prefetch_next(&pf, &tp, k, v, bt, block_stride, bs, row, width, start, n, heads);
         for (int64_t h = 0; h < h1 - h0; h++) {
-            for (int j0 = 0; j0 < NV; j0 += VCH) {
-                float *oh = o + h * GROUP * HEAD_DIM + DW * j0;
-                dvec acc[GROUP][VCH];
-                for (int g = 0; g < GROUP; g++)
-                    for (int j = 0; j < VCH; j++) acc[g][j] = *(dvec *)(oh + g * HEAD_DIM + DW * j);
-                for (int64_t i = 0; i < rows; i++) {
-                    const kv_t *vh = vr + i * row + h * HEAD_DIM + DW * j0;
-                    for (int g = 0; g < GROUP; g++) {
-                        const float p = s[(h * GROUP + g) * len + (t0 - start) + i];
-                        for (int j = 0; j < VCH; j++) acc[g][j] += p * kv_vload(vh + DW * j);
+            for (int g = 0; g < GROUP; g++) {
+                prefetch_step(&pf);
+                const float *sg = s + (h * GROUP + g) * len + (t0 - start);
+                for (int j0 = 0; j0 < NV; j0 += VCH) {
+                    float *og = o + (h * GROUP + g) * HEAD_DIM + DW * j0;
+                    dvec acc[VCH];
+                    for (int j = 0; j < VCH; j++) acc[j] = *(dvec *)(og + DW * j);
+                    for (int64_t i = 0; i < rows; i++) {
+                        const kv_t *vh = vr + i * row + h * HEAD_DIM + DW * j0;
+                        const float p = sg[i];
+                        for (int j = 0; j < VCH; j++) acc[j] += p * kv_vload(vh + DW * j);
                     }
+                    for (int j = 0; j < VCH; j++) *(dvec *)(og + DW * j) = acc[j];
                 }
-                for (int g = 0; g < GROUP; g++)
-                    for (int j = 0; j < VCH; j++) *(dvec *)(oh + g * HEAD_DIM + DW * j) = acc[g][j];
             }
         }
         t0 = t1;

@@ -70,17 +70,19 @@ class Sample:
     metrics: dict[str, Any]
 
 
-def timed(fn: Callable[[], dict[str, Any] | None]) -> Sample:
+def timed(fn: Callable[[], dict[str, Any] | Sample | None]) -> Sample:
     # a full collection outside the clock: otherwise an old-generation pass over every object the
     # imports left (torch, transformers, vLLM) lands inside whichever sample happens to trigger it
     gc.collect()
     start = time.perf_counter()
     metrics = fn() or {}
+    if isinstance(metrics, Sample):  # timed where it ran (bench/vllm_worker.py): that clock, not this one
+        return metrics
     return Sample(time.perf_counter() - start, dict(metrics))
 
 
 def run_interleaved(
-    cases: dict[str, Callable[[], dict[str, Any] | None]],
+    cases: dict[str, Callable[[], dict[str, Any] | Sample | None]],
     repeat: int = 3,
     warmup: int = 1,
     warmup_cases: dict[str, Callable[[], Any]] | None = None,
@@ -89,8 +91,9 @@ def run_interleaved(
     """Call every case `warmup` times (or its cheaper `warmup_cases` stand-in), then `repeat`
     rounds of A, B, C, ...; returns the samples of each case in round order.
 
-    A case returns a dict of metrics it measured itself (e.g. per-request latencies), or None;
-    the harness always records its wall time as `seconds`. `progress` shows a tqdm bar over the calls.
+    A case returns a dict of metrics it measured itself (e.g. per-request latencies), or None, and
+    the harness records its wall time as `seconds`; or a Sample timed where it ran (a worker
+    process's own clock, without the messages to it and back), kept as it is. `progress` shows a tqdm bar over the calls.
     """
     from tqdm.auto import tqdm
 

@@ -6,7 +6,9 @@ static batch, left padding) and `generate_batch` (its continuous batching, where
 fp32 with the embedded model's weights; and the GEMM floor of the engine's workload at L = N and
 L = N/2 (bench/gemm_floor.py: its linear layers alone): its "x hf-generate" is the highest speedup
 over transformers that any engine can reach on this machine's fp32 GEMM. On request (`--systems`), the
-engine over a bf16 KV cache too (`fast-off-kv-bf16`, `fast-on-kv-bf16`: kv_cache_dtype="bfloat16"), and
+engine over a bf16 KV cache too (`fast-off-kv-bf16`, `fast-on-kv-bf16`: kv_cache_dtype="bfloat16"), the
+engine in bf16 (`fast-off-bf16`, `fast-on-bf16`: dtype="bfloat16", run in bf16 even on a CPU without
+bf16 units, where dtype="auto" would choose fp32), and
 the engine with every weight kept in fp32 (`fast-off-fp32-weights`, `fast-on-fp32-weights`: built with
 SWIFTKV_DISABLED_KERNELS=gemm-4bit, so 4-bit weights get neither 4-bit panels nor q4-amx). With the
 floors, the table notes each floor plus attention's irreducible work (bench/attention_floor.py), every engine
@@ -20,9 +22,11 @@ is missing) by bench/vllm_worker.py: vLLM's KV space fixed, no reserved core, it
 process, one OpenMP thread bound to each core torch uses here (`--threads`: the same thread count).
 It gets the same token-id prompts, output length, greedy decoding with EOS ignored, warm-up and rounds,
 and its rows the same keys; its start-up and compilation are timed apart (`startup_s`, `compile_s`),
-not counted. Its rounds run in that process before the others' rounds, not interleaved with them. At
-temperature 0, each vLLM system's share of requests whose tokens equal fast-off's
-(`tokens_identical_to_fast_off`; vllm-fp32 should match, bf16 rounds otherwise) is noted, not enforced.
+not counted. The worker stays up between its calls, so its rounds interleave with the others' (A, B,
+A, B), each timed in its own process, and "x vLLM" is each engine system's output tok/s over the vLLM
+system of the same precision's, round by round. At temperature 0, each vLLM system's share of
+requests whose tokens equal fast-off's (`tokens_identical_to_fast_off`; vllm-fp32 should match, bf16
+rounds otherwise) is noted, not enforced.
 
 Mixes (request count x prompt length -> output length):
 
@@ -47,11 +51,11 @@ of a step's time in each (every step, and decode steps alone) in a table and in 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import random
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -88,9 +92,13 @@ KV_BF16_SYSTEMS = {"fast-off-kv-bf16": "fast-off", "fast-on-kv-bf16": "fast-on"}
 # the engine with its weights in fp32 layouts only (SWIFTKV_DISABLED_KERNELS=gemm-4bit): the 4-bit
 # layouts' gain
 FP32_WEIGHTS_SYSTEMS = {"fast-off-fp32-weights": "fast-off", "fast-on-fp32-weights": "fast-on"}
+# the engine in bf16 (dtype="bfloat16": weights, activations and KV cache; fp32 accumulation, norms,
+# softmax and logits), the peer of vllm-bf16
+BF16_SYSTEMS = {"fast-off-bf16": "fast-off", "fast-on-bf16": "fast-on"}
 # every such variant: name -> (the engine system it varies, its build kwargs, its environment at build)
 VARIANT_SYSTEMS = {
     **{name: (base, {"kv_cache_dtype": "bfloat16"}, {}) for name, base in KV_BF16_SYSTEMS.items()},
+    **{name: (base, {"dtype": "bfloat16"}, {}) for name, base in BF16_SYSTEMS.items()},
     **{
         name: (base, {}, {"SWIFTKV_DISABLED_KERNELS": "gemm-4bit"})
         for name, base in FP32_WEIGHTS_SYSTEMS.items()
@@ -162,24 +170,34 @@ def run(args: argparse.Namespace) -> int:
     fma_bounds_gemms = not _exact_amx()
     read_gbps = attention_floor.read_gbps() if fma_peak else None
     plans = {name: mix_prompts(table_of[name], runners.vocab_size, args.seed) for name in mixes}
-    peers, skipped = vllm_runs(systems, args.vllm_python, plans, repeat, warmup, args.temperature)
-    skipped = runners.skipped | skipped
-    for name, why in skipped.items():
-        print(f"skipping {name}: {why}")
-    available = [s for s in systems if s in runners.fns or s in peers]
+    with contextlib.ExitStack() as workers:
+        peers, skipped = vllm_workers(systems, args.vllm_python, args.temperature, workers)
+        skipped = runners.skipped | skipped
+        for name, why in skipped.items():
+            print(f"skipping {name}: {why}")
+        available = [s for s in systems if s in runners.fns or s in peers]
+        samples_of = {}
+        for name in mixes:
+            prompts, output_len = plans[name]
+            cases = {s: _case(runners.get(s), prompts, output_len) for s in runners.available}
+            warm = {s: _case(runners.get(s), *stand_in(prompts)) for s in runners.available}
+            cases |= {s: _peer_case(w, prompts, output_len) for s, w in peers.items()}
+            warm |= {s: _peer_case(w, *stand_in(prompts)) for s, w in peers.items()}
+            cases = {s: cases[s] for s in available}
+            print(
+                f"mix {name}: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
+                f"{output_len} output tokens each; systems {list(cases)}"
+            )
+            samples_of[name] = run_interleaved(
+                cases, repeat=repeat, warmup=warmup, warmup_cases=warm, progress=True
+            )
     tables, rows = [], []
     for name in mixes:
         prompts, output_len = plans[name]
-        cases = {s: _case(runners.get(s), prompts, output_len) for s in runners.available}
-        warm = {s: _case(runners.get(s), *stand_in(prompts)) for s in runners.available}
-        print(
-            f"mix {name}: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
-            f"{output_len} output tokens each; systems {list(cases)}"
-        )
-        samples = run_interleaved(cases, repeat=repeat, warmup=warmup, warmup_cases=warm, progress=True)
-        samples |= {s: peer["samples"][name] for s, peer in peers.items()}
+        samples = samples_of[name]
         mix_rows = [summarize(name, s, samples[s]) for s in available]
-        _peer_rows(mix_rows, peers, samples, greedy=args.temperature == 0)
+        _peer_rows(mix_rows, {s: w.info for s, w in peers.items()}, samples, greedy=args.temperature == 0)
+        _vs_vllm(mix_rows, samples)
         for row in mix_rows:
             if row["system"] in runners.floor_llms:
                 flops = gemm_floor.workload_flops(runners.floor_llms[row["system"]], prompts, output_len)
@@ -299,42 +317,58 @@ def stand_in(prompts: list[list[int]]) -> tuple[list[list[int]], int]:
 VLLM_ROW_KEYS = ("dtype", "startup_s", "compile_s", "threads", "vllm")
 
 
-def vllm_runs(
-    wanted: list[str], python: Path, plans: dict[str, tuple], repeat: int, warmup: int, temperature: float
-) -> tuple[dict[str, dict], dict[str, str]]:
-    """Each vllm-* system of `wanted` in a worker process of its own (bench/vllm_worker.py), every mix's
-    warm-up (its stand-in) and rounds: ({system: its result, with "samples": {mix: [Sample]}},
-    {system: why it was skipped})."""
+def vllm_workers(
+    wanted: list[str], python: Path, temperature: float, stack: contextlib.ExitStack
+) -> tuple[dict[str, vllm_worker.Worker], dict[str, str]]:
+    """A worker process (bench/vllm_worker.py) for each vllm-* system of `wanted`, started and built
+    before any round, closed with `stack`: ({system: its worker}, {system: why it was skipped})."""
     names = [s for s in wanted if s in VLLM_SYSTEMS]
     if names and not python.exists():
         why = f"no vLLM Python at {python} (--vllm-python; `nox -s vllm --install-only` builds one)"
         return {}, {s: why for s in names}
-    rounds = {mix: ([stand_in(prompts)], [(prompts, n)]) for mix, (prompts, n) in plans.items()}
     cores = vllm_worker.torch_cores()
     peers, skipped = {}, {}
     for name in names:
-        calls = vllm_worker.schedule(rounds, warmup, repeat)
         try:
-            result = vllm_worker.spawn(python, "vllm", VLLM_SYSTEMS[name], calls, cores, temperature)
-        except subprocess.CalledProcessError as e:
-            skipped[name] = f"its worker process exited with status {e.returncode} (its output is above)"
+            worker = vllm_worker.Worker(python, "vllm", VLLM_SYSTEMS[name], cores, temperature)
+        except vllm_worker.WorkerError as e:
+            skipped[name] = str(e)
             continue
-        peers[name] = result | {"samples": vllm_samples(result, rounds, warmup, repeat)}
+        peers[name] = stack.enter_context(worker)
     return peers, skipped
 
 
-def vllm_samples(result: dict, rounds: dict[str, tuple], warmup: int, repeat: int) -> dict[str, list[Sample]]:
-    """A vllm-* worker's result as each mix's timed Samples (one call per round), as the harness
-    gives them."""
-    timed = vllm_worker.timed_rounds(result, rounds, warmup, repeat)
-    return {
-        mix: [Sample(call["seconds"], {k: v for k, v in call.items() if k != "seconds"}) for [call] in calls]
-        for mix, calls in timed.items()
-    }
+def vllm_peer_of(system: str) -> str | None:
+    """The vllm-* system an engine system is held to: vllm-bf16 for the bf16 engine, vllm-fp32 for the
+    others (fp32 weights and activations); None for the systems that are not our engine."""
+    if system in BF16_SYSTEMS:
+        return "vllm-bf16"
+    engine_systems = ("fast-off", "fast-on", *VARIANT_SYSTEMS)
+    return "vllm-fp32" if system in engine_systems else None
+
+
+def _vs_vllm(rows: list[dict], samples: dict[str, list[Sample]]) -> None:
+    """Each engine row's output tok/s over its vLLM peer's (`vllm_peer_of`), round by round: the
+    rounds are interleaved, so round i of both ran side by side."""
+    for row in rows:
+        peer = vllm_peer_of(row["system"])
+        if peer in samples:
+            row["output_tps_vs_vllm"] = paired_ratio(
+                [x.metrics["output_tokens"] / x.seconds for x in samples[row["system"]]],
+                [x.metrics["output_tokens"] / x.seconds for x in samples[peer]],
+            )
+            row["vllm_peer"] = peer
+
+
+def _peer_case(worker: vllm_worker.Worker, prompts: list[list[int]], output_len: int):
+    def call() -> Sample:
+        return worker.call(prompts, output_len)
+
+    return call
 
 
 def _peer_rows(rows: list[dict], peers: dict[str, dict], samples: dict[str, list], greedy: bool) -> None:
-    """The vllm-* rows' worker facts (VLLM_ROW_KEYS) and, decoding greedily beside fast-off, their share of
+    """The vllm-* rows' worker facts (VLLM_ROW_KEYS, from each worker's `info`) and, decoding greedily beside fast-off, their share of
     requests whose output tokens (last round) equal fast-off's; a warning where vllm-fp32's differ."""
     ref = samples["fast-off"][-1].metrics["token_ids"] if greedy and "fast-off" in samples else None
     for row in rows:
@@ -479,31 +513,34 @@ def _table(
     decoding = "greedy" if temperature == 0 else f"sampled at temperature {temperature:g}"
     t = report.Table(
         f"Throughput, mix {name}: {num} requests x {length} prompt tokens -> {output_len} output tokens, "
-        f"fp32, {decoding}, {repeat} round(s)",
+        f"fp32 (vllm-bf16 and *-bf16: bf16), {decoding}, {repeat} round(s)",
         [
             "system",
             "req/s",
             "total tok/s",
             "output tok/s",
             "x hf-generate",
+            "x vLLM",
             "TTFT ms mean/med/p99",
             "TPOT ms mean/med/p99",
         ],
     )
     for r in rows:
-        ratio = r.get("output_tps_vs_hf_generate")
+        ratio, vs_vllm = r.get("output_tps_vs_hf_generate"), r.get("output_tps_vs_vllm")
         t.add(
             r["system"],
             r["requests_per_second"].median if r["requests_per_second"] else None,
             r["tokens_per_second"],
             r["output_tokens_per_second"],
             f"{ratio.median:.2f}x" if ratio else None,
+            f"{vs_vllm.median:.2f}x {r['vllm_peer'].removeprefix('vllm-')}" if vs_vllm else None,
             _lat(r, "ttft"),
             _lat(r, "tpot"),
         )
     t.notes.append(
         "fast-on: SwiftKV converted on the fly (no distillation): speed, not quality. "
-        "x hf-generate: output tok/s ratio, round by round."
+        "x hf-generate: output tok/s ratio, round by round; x vLLM: the same over the vllm-* system of "
+        "the same precision (fp32, or bf16 for *-bf16)."
     )
     if any(r["system"] in FP32_WEIGHTS_SYSTEMS for r in rows):
         t.notes.append(
@@ -554,7 +591,7 @@ def _vllm_notes(rows: list[dict]) -> list[str]:
     notes = [
         f"vllm-fp32 / vllm-bf16: vLLM {peers[0]['vllm']}'s CPU build, compiled, in fp32 / bf16, each in a "
         f"process of its own with {peers[0]['threads']} OpenMP thread(s) bound to torch's cores here; its "
-        "rounds ran there before the others' (not interleaved with them)."
+        "rounds interleaved with the others', each timed in its own process."
     ]
     for r in peers:
         compile_s = f", compilation {r['compile_s']:.0f} s of it" if r.get("compile_s") else ""

@@ -1,11 +1,13 @@
 """One system in a process of its own, started with vLLM's venv: the worker `bench vllm` and the
 `vllm-*` systems of `bench throughput` share.
 
-The parent (`spawn`) writes a job (a system, a dtype, a temperature and a list of calls, each token-id
-prompts and an output length) and runs `python -m bench.vllm_worker JOB OUT` with the venv's interpreter.
-The worker builds the system once, timing its start-up (and vLLM's compilation, part of it) apart, then
-makes the calls in order, each timed as the harness times a case (`bench.harness.timed`), and writes
-one result per call: seconds, token counts, per-request TTFT and TPOT, every request's output tokens.
+`Worker` starts `python -m bench.vllm_worker IN_FD OUT_FD` with the venv's interpreter and talks to it
+over two pipes, one JSON line per message: the job (a system, a dtype, a temperature) first, answered
+once the system is built, with its start-up (and vLLM's compilation, part of it) timed apart; then one
+call per line (token-id prompts and an output length), each answered with its result, timed in the
+worker as the harness times a case (`bench.harness.timed`): seconds, token counts, per-request TTFT
+and TPOT, every request's output tokens. The worker stays up between calls, so `bench throughput`
+interleaves its rounds with this process's systems (A, B, A, B); `spawn` makes a list of calls in one.
 
 Systems: `vllm` (plain vLLM on the embedded SmolLM2-135M-Instruct, compiled: its default),
 `vllm-swiftkv` (vLLM with `swiftkv_vllm` on the demo's calibrated student, `kv_sharing_fast_prefill`
@@ -27,16 +29,18 @@ import logging
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench.harness import Sample
 
 log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PYTHON = ROOT / ".nox" / "vllm" / "bin" / "python"  # the `vllm` nox session's venv
 STUDENT_LAYERS = 15
+SYSTEMS = ("vllm", "vllm-swiftkv", "ours-off", "ours-on")
 VLLM_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "4",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
@@ -84,6 +88,78 @@ def _preload(python: Path) -> list[str]:
     return [str(p) for p in tcmalloc[:1]] + ([str(iomp)] if iomp.exists() else [])
 
 
+class WorkerError(RuntimeError):
+    """The worker process ended before answering (its output, above, says why)."""
+
+
+class Worker:
+    """`system` in `dtype` in a worker process started with `python` (its threads on `cores`), up from
+    construction (which waits for the build) until `close`. `info`: system, dtype, startup_s,
+    compile_s, threads, vllm (version). `call` -> the call's Sample, timed in the worker."""
+
+    def __init__(
+        self, python: Path, system: str, dtype: str, cores: list[int], temperature: float = 0.0
+    ) -> None:
+        if system not in SYSTEMS:
+            raise ValueError(f"unknown worker system {system!r}; choose from {SYSTEMS}")
+        self.system = system
+        to_worker, from_worker = os.pipe(), os.pipe()
+        log.info("%s in %s: a process of its own (%s, cores %s)", system, dtype, python, cores)
+        command = [str(python), "-m", "bench.vllm_worker", str(to_worker[0]), str(from_worker[1])]
+        env = os.environ | worker_env(python, system, cores)
+        self._process = subprocess.Popen(command, cwd=ROOT, env=env, pass_fds=(to_worker[0], from_worker[1]))
+        os.close(to_worker[0])
+        os.close(from_worker[1])
+        self._send, self._receive = os.fdopen(to_worker[1], "w"), os.fdopen(from_worker[0])
+        try:
+            self._message(dict(system=system, dtype=dtype, temperature=temperature))
+            self.info: dict[str, Any] = self._answer()
+        except BaseException:
+            self.close()
+            raise
+
+    def call(self, prompts: list[list[int]], max_tokens: int) -> Sample:
+        self._message({"prompts": prompts, "max_tokens": max_tokens})
+        answer = self._answer()
+        return Sample(answer.pop("seconds"), answer)
+
+    def close(self) -> int:
+        """End the worker (it exits when its input closes; killed if it is still up 60 s later);
+        returns its exit status."""
+        with contextlib.suppress(OSError):
+            self._send.close()
+        try:
+            status = self._process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            status = self._process.wait()
+        self._receive.close()
+        return status
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _message(self, message: dict) -> None:
+        try:
+            self._send.write(json.dumps(message) + "\n")
+            self._send.flush()
+        except BrokenPipeError:
+            self._fail()
+
+    def _answer(self) -> dict[str, Any]:
+        line = self._receive.readline()
+        if not line:
+            self._fail()
+        return json.loads(line)
+
+    def _fail(self):
+        status = self._process.wait()
+        raise WorkerError(f"the {self.system} worker exited with status {status} (its output is above)")
+
+
 def spawn(
     python: Path,
     system: str,
@@ -92,17 +168,11 @@ def spawn(
     cores: list[int],
     temperature: float = 0.0,
 ) -> dict[str, Any]:
-    """Run `calls` ((prompts, max_tokens) each) on `system` in a worker process; returns its result:
-    system, dtype, startup_s, compile_s, threads, vllm (version), calls (one dict per call)."""
-    job = dict(system=system, dtype=dtype, temperature=temperature, calls=calls)
-    env = os.environ | worker_env(python, system, cores)
-    with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
-        job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "out.json"
-        job_path.write_text(json.dumps(job))
-        log.info("%s in %s: a process of its own (%s, cores %s)", system, dtype, python, cores)
-        command = [str(python), "-m", "bench.vllm_worker", str(job_path), str(out_path)]
-        subprocess.run(command, check=True, cwd=ROOT, env=env)
-        return json.loads(out_path.read_text())
+    """Run `calls` ((prompts, max_tokens) each) on `system` in one worker; returns its `info` and
+    `calls` (one dict per call: seconds and the call's metrics)."""
+    with Worker(python, system, dtype, cores, temperature) as worker:
+        samples = [worker.call(prompts, max_tokens) for prompts, max_tokens in calls]
+    return worker.info | {"calls": [{"seconds": s.seconds, **s.metrics} for s in samples]}
 
 
 def schedule(rounds: dict[str, tuple[list, list]], warmup: int, repeat: int) -> list:
@@ -124,31 +194,35 @@ def timed_rounds(result: dict, rounds: dict[str, tuple[list, list]], warmup: int
 
 
 def main(argv: list[str]) -> int:
-    """The worker: `python -m bench.vllm_worker JOB OUT`."""
+    """The worker: `python -m bench.vllm_worker IN_FD OUT_FD` (the pipes `Worker` opened)."""
     import torch
 
     from bench.harness import timed
 
-    job = json.loads(Path(argv[0]).read_text())
-    started = time.perf_counter()
-    with _compile_clock(job["system"]) as compile_s:
-        run = _build(job["system"], job["dtype"], job["temperature"])
-    startup = time.perf_counter() - started
-    calls = []
-    for prompts, max_tokens in job["calls"]:
-        sample = timed(lambda p=prompts, n=max_tokens: run(p, n).metrics())
-        calls.append({"seconds": sample.seconds, **sample.metrics})
-    result = dict(
-        system=job["system"],
-        dtype=job["dtype"],
-        startup_s=startup,
-        compile_s=None if compile_s is None else sum(compile_s),
-        threads=torch.get_num_threads(),
-        vllm=_vllm_version(),
-        calls=calls,
-    )
-    Path(argv[1]).write_text(json.dumps(result))
+    with os.fdopen(int(argv[0])) as jobs, os.fdopen(int(argv[1]), "w") as answers:
+        job = json.loads(jobs.readline())
+        started = time.perf_counter()
+        with _compile_clock(job["system"]) as compile_s:
+            run = _build(job["system"], job["dtype"], job["temperature"])
+        info = dict(
+            system=job["system"],
+            dtype=job["dtype"],
+            startup_s=time.perf_counter() - started,
+            compile_s=None if compile_s is None else sum(compile_s),
+            threads=torch.get_num_threads(),
+            vllm=_vllm_version(),
+        )
+        _answer(answers, info)
+        for line in jobs:
+            call = json.loads(line)
+            sample = timed(lambda c=call: run(c["prompts"], c["max_tokens"]).metrics())
+            _answer(answers, {"seconds": sample.seconds, **sample.metrics})
     return 0
+
+
+def _answer(answers, message: dict) -> None:
+    answers.write(json.dumps(message) + "\n")
+    answers.flush()
 
 
 def _checkpoint(system: str) -> str:

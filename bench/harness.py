@@ -93,7 +93,8 @@ def run_interleaved(
 
     A case returns a dict of metrics it measured itself (e.g. per-request latencies), or None, and
     the harness records its wall time as `seconds`; or a Sample timed where it ran (a worker
-    process's own clock, without the messages to it and back), kept as it is. `progress` shows a tqdm bar over the calls.
+    process's own clock, without the messages to it and back), kept as it is. `progress` shows a
+    tqdm bar over the calls.
     """
     from tqdm.auto import tqdm
 

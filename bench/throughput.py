@@ -368,8 +368,9 @@ def _peer_case(worker: vllm_worker.Worker, prompts: list[list[int]], output_len:
 
 
 def _peer_rows(rows: list[dict], peers: dict[str, dict], samples: dict[str, list], greedy: bool) -> None:
-    """The vllm-* rows' worker facts (VLLM_ROW_KEYS, from each worker's `info`) and, decoding greedily beside fast-off, their share of
-    requests whose output tokens (last round) equal fast-off's; a warning where vllm-fp32's differ."""
+    """The vllm-* rows' worker facts (VLLM_ROW_KEYS, from each worker's `info`) and, decoding greedily
+    beside fast-off, their share of requests whose output tokens (last round) equal fast-off's; a
+    warning where vllm-fp32's differ."""
     ref = samples["fast-off"][-1].metrics["token_ids"] if greedy and "fast-off" in samples else None
     for row in rows:
         if row["system"] not in peers:

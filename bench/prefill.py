@@ -1,6 +1,8 @@
 """Prefill throughput of the embedded model at SwiftKV L = N (off), 3N/4 and N/2, for prompt lengths
 256-4,096: tokens/s, the ratio to L = N (round by round), and the FLOP-count limit of that ratio
-(`bench.flops`). Each case is one batch of prompts of one length, generate(max_tokens=1)."""
+(`bench.flops`). Each case is one batch of prompts of one length, generate(max_tokens=1), in fp32 or
+(`--dtype bfloat16`) in bf16, which needs a CPU with bf16 units to be fast (elsewhere its products
+are emulated)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="SwiftKV L values, comma-separated (default N, 3N/4, N/2)",
     )
     parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="the engines' dtype (weights, activations, KV cache; default float32)",
+    )
+    parser.add_argument(
         "--tokens-per-batch",
         type=int,
         help="prompt tokens per timed batch: len // this many prompts (default 8192; quick 1024)",
@@ -42,11 +50,11 @@ def run(args: argparse.Namespace) -> int:
     repeat = args.repeat or 3
     warmup = (0 if args.quick else 1) if args.warmup is None else args.warmup
 
-    base = engine.build_llm(None)
+    base = engine.build_llm(None, dtype=args.dtype)
     cfg = base.config
     n_layers = cfg.num_hidden_layers
     layers = args.layers or sorted({n_layers, 3 * n_layers // 4, n_layers // 2}, reverse=True)
-    llms = {L: base if L == n_layers else engine.build_llm(L) for L in layers}
+    llms = {L: base if L == n_layers else engine.build_llm(L, dtype=args.dtype) for L in layers}
     log.info("warming up the engines")
     for llm in llms.values():
         engine.run_batch(llm, engine.random_prompts(1, 64, cfg.vocab_size, seed=args.seed), 1)
@@ -73,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
             )
 
     table = report.Table(
-        f"Prefill, SmolLM2-135M-Instruct fp32 (N={n_layers}), ~{per_batch} prompt tokens per batch, "
+        f"Prefill, SmolLM2-135M-Instruct {_short(args.dtype)} (N={n_layers}), ~{per_batch} prompt tokens per batch, "
         f"{repeat} round(s)",
         ["prompt len", "prompts", "L", "prefill tok/s", f"x L={layers[0]}", "FLOP limit", "of limit"],
     )
@@ -96,13 +104,17 @@ def run(args: argparse.Namespace) -> int:
         "repeat": repeat,
         "warmup": warmup,
         "num_hidden_layers": n_layers,
-        "dtype": "float32",
+        "dtype": args.dtype,
         "seed": args.seed,
     }
     json_path = report.write_json(args.out, "prefill", settings, rows)
-    png_path = plot(rows, layers, args.out)
+    png_path = plot(rows, layers, args.out, _short(args.dtype))
     report.finish([table], [json_path, png_path])
     return 0
+
+
+def _short(dtype: str) -> str:
+    return {"float32": "fp32", "bfloat16": "bf16"}[dtype]
 
 
 def _case(llm, prompts):
@@ -113,7 +125,7 @@ def _case(llm, prompts):
 
 
 @report.optional_plot
-def plot(rows: list[dict], layers: list[int], out: Path) -> Path:
+def plot(rows: list[dict], layers: list[int], out: Path, dtype: str = "fp32") -> Path:
     fig, (ax_tps, ax_ratio) = report.new_figure(ncols=2)
     for i, L in enumerate(layers):
         mine = [r for r in rows if r["num_key_value_layers"] == L]
@@ -127,5 +139,5 @@ def plot(rows: list[dict], layers: list[int], out: Path) -> Path:
         ax.legend(fontsize=8)
     ax_tps.set_ylabel("prefill tokens/s")
     ax_ratio.set_ylabel(f"speedup over L={layers[0]}")
-    fig.suptitle("SwiftKV prefill throughput (SmolLM2-135M-Instruct, fp32)")
+    fig.suptitle(f"SwiftKV prefill throughput (SmolLM2-135M-Instruct, {dtype})")
     return report.save_figure(fig, out, "prefill")

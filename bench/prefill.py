@@ -81,8 +81,8 @@ def run(args: argparse.Namespace) -> int:
             )
 
     table = report.Table(
-        f"Prefill, SmolLM2-135M-Instruct {_short(args.dtype)} (N={n_layers}), ~{per_batch} prompt tokens per batch, "
-        f"{repeat} round(s)",
+        f"Prefill, SmolLM2-135M-Instruct {_short(args.dtype)} (N={n_layers}), ~{per_batch} prompt tokens "
+        f"per batch, {repeat} round(s)",
         ["prompt len", "prompts", "L", "prefill tok/s", f"x L={layers[0]}", "FLOP limit", "of limit"],
     )
     for r in rows:

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from bench.harness import Sample
 
@@ -115,7 +115,7 @@ class Worker:
             self._message(dict(system=system, dtype=dtype, temperature=temperature))
             self.info: dict[str, Any] = self._answer()
         except BaseException:
-            self.close()
+            self.close(kill=True)
             raise
 
     def call(self, prompts: list[list[int]], max_tokens: int) -> Sample:
@@ -123,11 +123,13 @@ class Worker:
         answer = self._answer()
         return Sample(answer.pop("seconds"), answer)
 
-    def close(self) -> int:
-        """End the worker (it exits when its input closes; killed if it is still up 60 s later);
-        returns its exit status."""
+    def close(self, kill: bool = False) -> int:
+        """End the worker: it exits when its input closes, and is killed if it is still up 60 s later
+        (at once with `kill`, what an exception on this side does). Returns its exit status."""
         with contextlib.suppress(OSError):
             self._send.close()
+        if kill:
+            self._process.kill()
         try:
             status = self._process.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -139,8 +141,8 @@ class Worker:
     def __enter__(self) -> Worker:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(kill=exc_type is not None)
 
     def _message(self, message: dict) -> None:
         try:
@@ -155,7 +157,7 @@ class Worker:
             self._fail()
         return json.loads(line)
 
-    def _fail(self):
+    def _fail(self) -> NoReturn:
         status = self._process.wait()
         raise WorkerError(f"the {self.system} worker exited with status {status} (its output is above)")
 

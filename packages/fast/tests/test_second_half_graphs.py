@@ -29,18 +29,20 @@ def _generate(llm, prompts):
     return llm.generate(prompts, GREEDY, use_tqdm=False)
 
 
-def test_emulated_replay_equals_eager_through_the_real_model(tiny):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_emulated_replay_equals_eager_through_the_real_model(tiny, dtype):
+    """bf16 too: the graphs' hidden buffer holds the fp32 residual stream as it is, not rounded."""
     cfg, state, _ = tiny(**HYBRID)
     prompts = random_prompts(6, cfg.vocab_size, [3, 40, 9, 1, 25, 60], seed=3)
-    eager = LLM.from_state_dict(cfg, state, **ENGINE)
-    graphs = LLM.from_state_dict(cfg, state, **ENGINE)
+    eager = LLM.from_state_dict(cfg, state, dtype=dtype, **ENGINE)
+    graphs = LLM.from_state_dict(cfg, state, dtype=dtype, **ENGINE)
     runner = graphs.llm_engine.runner
     # buckets 1, 2, 4: steps with 5 or 6 sampled tokens fall back to eager
     runner.graphs = runner.make_graphs(emulate=True, sizes=[1, 2, 4])
     expected, actual = _generate(eager, prompts), _generate(graphs, prompts)
     for e, a in zip(expected, actual):
         assert a.outputs[0].token_ids == e.outputs[0].token_ids
-        assert torch.equal(a.outputs[0].logits, e.outputs[0].logits)  # exact in fp32
+        assert torch.equal(a.outputs[0].logits, e.outputs[0].logits)  # exact
     stats, eager_stats = graphs.get_stats(), eager.get_stats()
     assert stats["cuda_graph_enabled"] and stats["cuda_graph_capture_s"] is not None
     assert stats["cuda_graph_replays"] > 0 and stats["eager_second_half_steps"] > 0  # both paths taken

@@ -34,6 +34,10 @@ from swiftkv_fast.model.kv_cache_layout import KVCacheLayout
 from swiftkv_fast.model.layers import Linear, RotaryTable, Rotation
 from swiftkv_fast.model.model_input import GroupBatch, ModelInput
 
+# the residual stream's dtype whatever the weights' (each layer adds its outputs to it; its norms read
+# it whole and round once): what first_half returns and second_half takes
+RESIDUAL_DTYPE = torch.float32
+
 
 @dataclass
 class LayerWeights:
@@ -138,14 +142,13 @@ class SwiftKVModel:
         return self._layer_tail(h, o.flatten(1), lw)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        # (T,) -> (T, hidden) fp32: the residual stream stays fp32 whatever the weights' dtype (each
-        # layer adds its bf16 outputs to it; its norms read it whole). A rank looks up the ids of its
-        # vocab rows, zeros elsewhere, then the sum.
+        # (T,) -> (T, hidden) in RESIDUAL_DTYPE. A rank looks up the ids of its vocab rows, zeros
+        # elsewhere, then the sum.
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.w.embed).float()
+            return F.embedding(input_ids, self.w.embed).to(RESIDUAL_DTYPE)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.w.embed.shape[0])
-        h = F.embedding(local.masked_fill(outside, 0), self.w.embed).float()
+        h = F.embedding(local.masked_fill(outside, 0), self.w.embed).to(RESIDUAL_DTYPE)
         return self.tp.all_reduce(h.masked_fill_(outside[:, None], 0))
 
     @torch.inference_mode()

@@ -9,14 +9,14 @@ norm and lm_head). `graphs_disabled_reason`, decided once at construction, says 
 (``backend.supports_cuda_graph``: the torch backend's decode syncs with the host). Capture happens at
 the first ``run`` and is logged; a failed capture is logged and the second half stays eager.
 
-Contract of ``second_half(hidden, positions, seq_lens, block_tables) -> (B, vocab) logits``:
-hidden (B, hidden_size) in ``dtype`` (the residual stream after layer L-1; residuals are added in
-place), positions (B,) int64, seq_lens (B,) int32 (query at ``seq_lens[i] - 1``), one (B, max_blocks)
-int32 block table per kvcache group. It must be capturable: no host syncs (``.item()``, ``.tolist()``,
-data-dependent shapes), no allocation that outlives the call but its output, and the K/V already
-written to the cache (first_half writes every scheduled token's). Padding rows (``seq_lens == 0``,
-null-block tables, position ``pad_position``, zero hidden) must be tolerated, and rows must not
-interact, so padding never changes a real row.
+Contract of ``second_half(hidden, positions, seq_lens, block_tables) -> (B, vocab) logits``: hidden (B,
+hidden_size) in ``dtype`` (the residual stream after layer L-1, fp32 in the engine whatever the weights'
+dtype; residuals are added in place), positions (B,) int64, seq_lens (B,) int32 (query at
+``seq_lens[i]-1``), one (B, max_blocks) int32 block table per kvcache group. It must be capturable: no
+host syncs (``.item()``, ``.tolist()``, data-dependent shapes), no allocation that outlives the call but
+its output, and the K/V already written to the cache (first_half writes every scheduled token's).
+Padding rows (``seq_lens == 0``, null-block tables, position ``pad_position``, zero hidden) must be
+tolerated, and rows must not interact, so padding never changes a real row.
 
 ``run(...)`` returns ``(n, vocab)`` logits for ``n`` real rows. On replay they are a view into ONE
 fp32 ``(max_batch, vocab)`` buffer that every bucket's graph copies into last, valid until the next

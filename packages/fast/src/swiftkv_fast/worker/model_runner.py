@@ -23,6 +23,7 @@ from swiftkv_fast.distributed.parallel_state import SINGLE, TensorParallelGroup
 from swiftkv_fast.kernels.plan import plan_kernels
 from swiftkv_fast.logger import init_logger
 from swiftkv_fast.model.kv_cache_layout import KVCacheLayout
+from swiftkv_fast.model.swiftkv_model import RESIDUAL_DTYPE
 from swiftkv_fast.model.tp_sharding import TensorParallelShard
 from swiftkv_fast.sampler import sample, top_logprobs
 from swiftkv_fast.scheduler_output import SchedulerOutput
@@ -119,7 +120,7 @@ class ModelRunner:
             max_blocks_per_req=-(-econf.max_model_len // econf.block_size),
             num_groups=self.layout.num_groups,
             hidden_size=self.config.hidden_size,
-            dtype=econf.dtype,
+            dtype=RESIDUAL_DTYPE,
             device=self.device,
             enforce_eager=econf.enforce_eager,
             backend=self.backend,

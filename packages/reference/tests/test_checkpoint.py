@@ -346,12 +346,16 @@ def test_stored_dtype_is_the_dtype_of_most_values_and_config_json_says_it(tmp_pa
     src = tmp_path / "plain"
     save_checkpoint(src, config, state, max_shard_bytes=shard)
     name = str(dtype).removeprefix("torch.")
-    assert checkpoint.stored_dtype(src) == dtype
+    assert checkpoint.stored_dtype(src) == dtype == checkpoint.state_dict_dtype(state)
     assert json.loads((src / "config.json").read_text())["torch_dtype"] == name
     out = convert_to_swiftkv(src, tmp_path / "swiftkv", 2)  # keeps the stored dtypes, and says so
     assert checkpoint.stored_dtype(out) == dtype
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == name
     assert load_state_dict(out, dtype=None)["model.layers.0.mlp.up_proj.weight"].dtype == dtype
+
+
+def test_a_state_dict_without_floating_values_is_fp32():
+    assert checkpoint.state_dict_dtype({"ids": torch.arange(3)}) == torch.float32
 
 
 def test_stored_dtype_refuses_a_broken_file(tmp_path):

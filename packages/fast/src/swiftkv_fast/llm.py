@@ -59,15 +59,6 @@ def _follow(econf: EngineConfig, stored: torch.dtype) -> None:
         logger.info("%s", note)
 
 
-def _dtype_of(state_dict) -> torch.dtype:
-    """The dtype most floating-point values of an in-memory state dict are in."""
-    sizes: dict[torch.dtype, int] = {}
-    for t in state_dict.values():
-        if t.is_floating_point():
-            sizes[t.dtype] = sizes.get(t.dtype, 0) + t.numel()
-    return max(sizes, key=sizes.get, default=torch.float32)
-
-
 class LLM:
     def __init__(self, model: str | None = None, *, tokenizer=None, **kwargs):
         econf = EngineConfig(model=model, **kwargs)
@@ -83,7 +74,7 @@ class LLM:
     def from_state_dict(cls, config, state_dict, tokenizer=None, **kwargs) -> LLM:
         """An engine over an in-memory (SwiftKVConfig, state_dict); the state dict is not modified."""
         econf = EngineConfig(**kwargs)
-        _follow(econf, _dtype_of(state_dict))
+        _follow(econf, checkpoint_dtype(state_dict))
         config, state_dict = apply_swiftkv_options(
             config, state_dict, econf.num_key_value_layers, econf.key_value_group_size
         )

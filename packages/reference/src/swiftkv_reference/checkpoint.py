@@ -194,6 +194,12 @@ def stored_dtype(directory: str | os.PathLike) -> torch.dtype:
     return _dtype_of_most(sizes)
 
 
+def state_dict_dtype(state_dict: dict[str, torch.Tensor]) -> torch.dtype:
+    """What `stored_dtype` says of a checkpoint, of an in-memory state dict: the floating dtype most of
+    its floating values are in; fp32 when it holds no floating tensor."""
+    return _dtype_of_most([(t.dtype, t.numel()) for t in state_dict.values() if t.is_floating_point()])
+
+
 def _dtype_of_most(sizes: list[tuple[torch.dtype, int]]) -> torch.dtype:
     """The dtype holding the most values of (dtype, number of values) pairs; fp32 for none."""
     values: dict[torch.dtype, int] = {}

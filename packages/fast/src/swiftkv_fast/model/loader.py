@@ -45,11 +45,12 @@ def load_checkpoint(
     return config, state_dict, model_dir
 
 
-def checkpoint_dtype(model_dir: str | Path) -> torch.dtype:
-    """The dtype most of the checkpoint's weights are stored in (what dtype="auto" follows)."""
-    from swiftkv_reference.checkpoint import stored_dtype
+def checkpoint_dtype(source: str | Path | dict[str, torch.Tensor]) -> torch.dtype:
+    """The dtype most of a checkpoint's weights are stored in (what dtype="auto" follows): a checkpoint
+    directory's (read from its safetensors headers) or an in-memory state dict's."""
+    from swiftkv_reference.checkpoint import state_dict_dtype, stored_dtype
 
-    return stored_dtype(model_dir)
+    return state_dict_dtype(source) if isinstance(source, dict) else stored_dtype(source)
 
 
 def apply_swiftkv_options(config, state_dict, num_key_value_layers, key_value_group_size):

@@ -110,7 +110,8 @@ def distill(session: nox.Session) -> None:
     _pytest(session, f"{PACKAGES['distill']}/tests")
 
 
-# the engine in bf16 on CPU (the torch backend: bf16 has no C kernels) under the low-precision rule
+# the engine in bf16 on CPU under the low-precision rule: bf16 products where the CPU has bf16 units, bf16
+# weights and KV cache multiplied in fp32 by the C kernels where it has none (EngineConfig.compute_dtype)
 BF16_CONFORMANCE = ["conformance", "--impl=fast-torch", "--dtype=bfloat16"]
 
 

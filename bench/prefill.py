@@ -1,8 +1,8 @@
 """Prefill throughput of the embedded model at SwiftKV L = N (off), 3N/4 and N/2, for prompt lengths
 256-4,096: tokens/s, the ratio to L = N (round by round), and the FLOP-count limit of that ratio
 (`bench.flops`). Each case is one batch of prompts of one length, generate(max_tokens=1), in fp32 or
-(`--dtype bfloat16`) in bf16, which needs a CPU with bf16 units to be fast (elsewhere its products
-are emulated)."""
+(`--dtype bfloat16`) in bf16 (on a CPU without bf16 units, bf16 weights and KV cache multiplied in
+fp32: EngineConfig.compute_dtype)."""
 
 from __future__ import annotations
 

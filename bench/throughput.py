@@ -7,8 +7,8 @@ fp32 with the embedded model's weights; and the GEMM floor of the engine's workl
 L = N/2 (bench/gemm_floor.py: its linear layers alone): its "x hf-generate" is the highest speedup
 over transformers that any engine can reach on this machine's fp32 GEMM. On request (`--systems`), the
 engine over a bf16 KV cache too (`fast-off-kv-bf16`, `fast-on-kv-bf16`: kv_cache_dtype="bfloat16"), the
-engine in bf16 (`fast-off-bf16`, `fast-on-bf16`: dtype="bfloat16", run in bf16 even on a CPU without
-bf16 units, where dtype="auto" would choose fp32), and
+engine in bf16 (`fast-off-bf16`, `fast-on-bf16`: dtype="bfloat16"; on a CPU without bf16 units its bf16
+weights and KV cache are multiplied in fp32, EngineConfig.compute_dtype), and
 the engine with every weight kept in fp32 (`fast-off-fp32-weights`, `fast-on-fp32-weights`: built with
 SWIFTKV_DISABLED_KERNELS=gemm-4bit, so 4-bit weights get neither 4-bit panels nor q4-amx). With the
 floors, the table notes each floor plus attention's irreducible work (bench/attention_floor.py), every engine

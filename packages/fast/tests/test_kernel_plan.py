@@ -46,6 +46,24 @@ def test_fp32_on_cpu_runs_the_c_kernels_and_says_so():
     assert "head_dim 64, 3 query heads per KV head" in p.as_dict()["ops"]["decode attention"]["note"]
 
 
+@needs_compiler
+def test_bf16_weights_multiplied_in_fp32_run_the_c_kernels_over_a_bf16_cache():
+    p = plan_kernels(
+        "cpu",
+        torch.bfloat16,
+        torch.bfloat16,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=64,
+        disabled=frozenset(),
+        compute_dtype=torch.float32,
+    )
+    assert p.row_ops is not None and p.decode_attention is not None and p.prefill_attention is not None
+    assert "bfloat16 cache" in p.as_dict()["ops"]["decode attention"]["note"]
+    assert p.as_dict()["dtype"] == "bfloat16" and p.as_dict()["compute_dtype"] == "float32"
+    assert "bfloat16 weights (multiplied in float32), bfloat16 KV cache" in p.table().splitlines()[0]
+
+
 @pytest.mark.parametrize(
     "kwargs, why",
     [

@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from swiftkv_fast import LLM, SamplingParams
 from swiftkv_fast.config import LINEAR_KERNELS, EngineConfig
-from swiftkv_fast.kernels import cpu_amx
+from swiftkv_fast.kernels import cpu_amx, cpu_gemm
 from swiftkv_fast.kernels import linear_kernels as lk
+from swiftkv_fast.kernels.weight_forms import FormMismatch
 from swiftkv_fast.model.layers import Linear
 from swiftkv_reference.testing import fp32_atol, random_state_dict, tiny_config
 
@@ -407,3 +408,45 @@ def test_a_changed_kernel_source_is_timed_afresh(tmp_path, monkeypatch):
         monkeypatch.undo()
         lk.machine_key.cache_clear()
     assert lk.cache_file(tmp_path) == before
+
+
+def test_widen_keeps_bf16_values_and_multiplies_them_exactly():
+    w = torch.randn(96, 40).bfloat16().float()  # a bf16 checkpoint's values, loaded as fp32
+    b = torch.randn(96)
+    lin = Linear(w, b, lk.KernelChoice.single("widen", w))
+    assert lin.layouts["widen"].dtype == torch.bfloat16 and lk.nbytes(lin.layouts["widen"]) == w.numel() * 2
+    x = torch.randn(7, 40)
+    assert torch.equal(lin(x), F.linear(x, w, b))  # the same fp32 values through the same kernel
+    with pytest.raises(FormMismatch):  # an fp32 weight has no exact bf16 layout
+        lk.KERNELS["widen"].pack(torch.randn(8, 4))
+    # an fp32 engine offers widen only for weights whose values are exact in bf16 (forced: falls back)
+    assert chooser("widen").choose("o", torch.randn(8, 4), None, 16).plan == ((sys.maxsize, "linear"),)
+
+
+def test_a_widened_chooser_keeps_every_weight_in_bf16_bytes():
+    # the fastest kernels hold fp32 layouts: a chooser for bf16 weights multiplied in fp32 never offers them
+    seconds = {k: {1: 1.0, 16: 1.0, 256: 1.0} for k in lk.KERNELS}
+    seconds["mkldnn"] = seconds["matmul"] = {1: 0.01, 16: 0.01, 256: 0.01}
+    seconds["widen"] = {1: 2.0, 16: 2.0, 256: 0.5}
+    calls: list = []
+    ch = chooser(timer=fake_timer(seconds, calls), widened=True)
+    w = torch.randn(64, 32).bfloat16().float()  # (out, in): whole panels of 16 columns
+    choice = ch.choose("o", w, None, max_rows=256)
+    panel = cpu_gemm.unavailable_reason() is None
+    assert {k for k, _ in calls} == {"widen", "panel"} if panel else {"widen"}
+    assert all(lk.nbytes(layout) == w.numel() * 2 for layout in choice.layouts.values())
+    if panel:
+        assert choice.plan == ((16, "panel"), (sys.maxsize, "widen"))
+        assert choice.layouts["panel"].format == "bf16"
+    assert ch.extra_bytes == sum(lk.nbytes(x) for x in choice.layouts.values()) - w.numel() * 2
+
+
+@pytest.mark.skipif(cpu_gemm.unavailable_reason() is not None, reason="the panel GEMM is not built here")
+def test_a_widened_forced_panel_holds_bf16_panels_even_with_compact_forms_off(monkeypatch):
+    monkeypatch.setenv("SWIFTKV_DISABLED_KERNELS", "gemm-4bit")
+    w = torch.randn(40, 24).bfloat16().float()
+    assert chooser("panel").choose("o", w, None, 16).layouts["panel"].format == "fp32"
+    layout = chooser("panel", widened=True).choose("o", w, None, 16).layouts["panel"]
+    assert layout.format == "bf16"
+    x = torch.randn(5, 24)
+    torch.testing.assert_close(layout.linear(x), F.linear(x, w), rtol=0, atol=fp32_atol(F.linear(x, w)))

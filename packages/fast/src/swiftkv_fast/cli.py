@@ -105,7 +105,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         default=default["key_value_group_size"],
         help="AcrossKV G: layers sharing one KV cache",
     )
-    e.add_argument("--dtype", default=default["dtype"], help="auto, float32, bfloat16 or float16")
+    e.add_argument(
+        "--dtype",
+        default=default["dtype"],
+        help="the weights' dtype: auto (the checkpoint's), float32, bfloat16 or float16; a CPU without bf16 "
+        "units keeps bf16 weights and multiplies them in float32",
+    )
     e.add_argument("--device", default=default["device"], help="auto, cpu or cuda")
     e.add_argument(
         "--attention-backend",

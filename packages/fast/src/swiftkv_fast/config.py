@@ -30,7 +30,18 @@ DTYPES = {
 # decode attention reads (the torch backend's C kernels read it as fp32)
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32}
 # CPU linear kernels (kernels/linear_kernels.py): auto = chosen by measurement, or one forced everywhere
-LINEAR_KERNELS = ("auto", "linear", "matmul", "mkldnn", "panel", "bf16x3", "q4-amx", "panel-amx", "bf16-amx")
+LINEAR_KERNELS = (
+    "auto",
+    "linear",
+    "matmul",
+    "mkldnn",
+    "panel",
+    "widen",
+    "bf16x3",
+    "q4-amx",
+    "panel-amx",
+    "bf16-amx",
+)
 
 
 @dataclass
@@ -38,8 +49,8 @@ class EngineConfig:
     model: str | None = None  # checkpoint directory; None: the embedded SmolLM2-135M-Instruct
     num_key_value_layers: int | None = None  # SwiftKV L; on a plain checkpoint: convert on the fly
     key_value_group_size: int | None = None  # AcrossKV G
-    # auto: the checkpoint's (`follow_checkpoint`): on CPU fp32 stays fp32 and bf16 / fp16 run in bf16
-    # where the CPU has bf16 units (fp32 where it has none); on CUDA bf16
+    # the weights' dtype; auto: the checkpoint's (`follow_checkpoint`): on CPU fp32 stays fp32 and bf16 /
+    # fp16 run in bf16; on CUDA bf16. The activations' is `compute_dtype`.
     dtype: str | torch.dtype = "auto"
     kv_cache_dtype: str | torch.dtype = "auto"  # KV_CACHE_DTYPES; auto: the model's dtype (resolved in place)
     device: str = "auto"  # auto: cuda when available
@@ -140,27 +151,33 @@ class EngineConfig:
                 f"got {self.dtype!r}"
             )
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the activations and the arithmetic: `dtype`, except bf16 on a CPU without bf16 units
+        (AVX512-BF16, AMX-BF16). There the libraries emulate bf16 products several times slower than
+        fp32 ones, so the bf16 weights are widened exactly as they are multiplied and everything else runs
+        in fp32: the memory of bf16 weights and KV cache, the speed of fp32 arithmetic."""
+        if self.dtype == torch.bfloat16 and torch.device(self.device).type == "cpu" and not cpu_bf16_units():
+            return torch.float32
+        return self.dtype
+
     def follow_checkpoint(self, stored: torch.dtype) -> str | None:
         """Resolves dtype="auto" (and kv_cache_dtype="auto" with it) by the dtype the checkpoint's weights
-        are stored in, as vLLM's "auto" does; returns a line to log where the choice needs a word (a
-        bf16 checkpoint on a CPU without bf16 units runs in fp32, faster there), else None."""
+        are stored in, as vLLM's "auto" does: fp32 stays fp32, bf16 and fp16 run in bf16. Returns a line
+        to log where the choice needs a word (a CPU without bf16 units computes in fp32, `compute_dtype`),
+        else None."""
         if not self.dtype_is_auto or torch.device(self.device).type != "cpu":
             return None
-        note = None
-        if stored in (torch.bfloat16, torch.float16):
-            if cpu_bf16_units():
-                self.dtype = torch.bfloat16
-            else:
-                self.dtype = torch.float32
-                note = (
-                    f"the checkpoint is {str(stored).removeprefix('torch.')} but this CPU has no bf16 units "
-                    "(AVX512-BF16, AMX-BF16): running in float32, faster here (dtype='bfloat16' forces bf16)"
-                )
-        else:
-            self.dtype = torch.float32
+        self.dtype = torch.bfloat16 if stored in (torch.bfloat16, torch.float16) else torch.float32
         if self.kv_cache_dtype_is_auto:
             self.kv_cache_dtype = self.dtype
-        return note
+        if self.compute_dtype == self.dtype:
+            return None
+        stored_name = str(stored).removeprefix("torch.")
+        return (
+            f"the checkpoint is {stored_name} and this CPU has no bf16 units (AVX512-BF16, AMX-BF16): "
+            "bf16 weights and KV cache, multiplied in float32 (bf16 products are emulated here)"
+        )
 
     def _check_backend(self) -> None:
         on_cuda = torch.device(self.device).type == "cuda"

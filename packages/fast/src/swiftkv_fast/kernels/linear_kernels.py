@@ -1,6 +1,6 @@
 """CPU linear kernels, chosen by measurement at start-up.
 
-Eight ways to compute y = x W^T + b for a checkpoint weight W (out_features, in_features):
+Nine ways to compute y = x W^T + b for a checkpoint weight W (out_features, in_features):
 
     linear   F.linear on W as it is, (out, in)
     matmul   torch.mm / addmm on W^T stored contiguous, (in, out)
@@ -10,6 +10,8 @@ Eight ways to compute y = x W^T + b for a checkpoint weight W (out_features, in_
              needs a C compiler): 1.1-1.5x oneDNN on a 16-row decode batch with the weights read
              from memory, on AMD EPYC Zen 3 (AVX2) and Zen 4 (AVX-512); a weight that is exactly
              4-bit blocks (kernels/weight_forms.py) as 4-bit panels, bit-identical results
+    widen    W's values kept as bf16 (their exact form: a bf16 checkpoint), widened to fp32 by each call
+             for F.linear: the portable layout of half the bytes, at thousands of rows about as fast
     bf16x3   our compiled C kernel on Intel AMX tiles, W split into bf16 hi + lo (kernels/cpu_amx.py):
              PyTorch's "high" float32 matmul precision, so a candidate only when the engine is allowed
              it (EngineConfig.matmul_precision = "high"); about 2x MKL's sgemm at thousands of rows
@@ -39,7 +41,10 @@ that size, as a step's other layers would: a 16-row product then reads its weigh
 it does in the engine, and the kernel that overlaps those reads with its FMAs wins (on a Zen 4 EPYC
 the warm timings ranked oneDNN first at 16 rows, the cold ones the panel GEMM, by 1.1-1.3x). Each layer
 keeps the fewest weight layouts that are nowhere more than COPY_WORTH slower than the fastest
-kernel (`plan_kernels`), and runs the fastest of them for each row bucket. A forced kernel
+kernel (`plan_kernels`), and runs the fastest of them for each row bucket. An engine that keeps bf16
+weights and multiplies them in fp32 (a CPU without bf16 units, EngineConfig.compute_dtype; `widened`)
+is offered only the kernels whose layouts hold them in bf16 bytes or fewer (`bf16_pack`: the panel
+GEMM's bf16 panels, widen), so its weights take the memory the user asked for. A forced kernel
 (EngineConfig.linear_kernel) skips the timing. A private op that is missing or fails is dropped,
 with one warning, for the next candidate; a kernel this machine cannot run (the AMX ones on a CPU
 without AMX, a kernel switched off) is not offered, and one info line says which and why. Other
@@ -101,6 +106,9 @@ class LinearKernel:
     # is not offered, where a failing one (a private op missing in this torch) is logged as failed
     unavailable: Callable[[], str | None] = lambda: None
     fp32_only: bool = False  # its layouts hold fp32 weights (or exact forms of them): not for bf16 models
+    # packs a weight whose values are exact in bf16 into 2 bytes a value or fewer (what a `widened` chooser
+    # packs); None: this kernel's layouts hold more
+    bf16_pack: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def permitted(self, precision: str) -> bool:
         """The kernel may run under the matmul precision level `precision` (MATMUL_PRECISIONS)."""
@@ -119,6 +127,17 @@ def _mkldnn(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) ->
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def _bf16_pack(weight: torch.Tensor) -> torch.Tensor:
+    """W (out, in) fp32 whose every value is exact in bf16 -> the same values in bf16, (out, in)."""
+    if not bf16_exact(weight):
+        raise FormMismatch(f"a {tuple(weight.shape)} weight whose values are not all exact in bf16")
+    return weight.to(torch.bfloat16)
+
+
+def _widen(x: torch.Tensor, w_bf16: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, w_bf16.to(x.dtype), bias)  # exact: every bf16 value is an fp32 one
+
+
 def _own_linear(x: torch.Tensor, layout, bias: torch.Tensor | None) -> torch.Tensor:
     """The compiled kernels' layouts (PanelWeight, Bf16x3Weight, Q4AmxWeight) multiply by themselves."""
     return layout.linear(x, bias)
@@ -129,8 +148,14 @@ KERNELS = {
     "matmul": LinearKernel("matmul", lambda w: w.t().contiguous(), _matmul),
     "mkldnn": LinearKernel("mkldnn", _mkldnn_pack, _mkldnn),
     "panel": LinearKernel(
-        "panel", PanelWeight, _own_linear, unavailable=cpu_gemm.unavailable_reason, fp32_only=True
+        "panel",
+        PanelWeight,
+        _own_linear,
+        unavailable=cpu_gemm.unavailable_reason,
+        fp32_only=True,
+        bf16_pack=partial(PanelWeight, compact=True),  # bf16 panels (4- or 8-bit ones where exact)
     ),
+    "widen": LinearKernel("widen", _bf16_pack, _widen, forms=frozenset({"bf16"}), bf16_pack=_bf16_pack),
     "bf16x3": LinearKernel(
         "bf16x3",
         Bf16x3Weight,
@@ -376,6 +401,8 @@ class LinearKernelChooser:
     precision: str = "highest"
     timer: Callable[[str, int, Callable[[], object]], float] = wall_time
     forms: bool = True  # weights exactly in a compact form may get its layouts (also needs gemm-4bit on)
+    # the weights are bf16 values (passed as fp32) to be kept in bf16 bytes: only kernels with a bf16_pack
+    widened: bool = False
     times: Times = field(default_factory=dict)
     extra_bytes: int = 0  # weight memory the kept layouts take beyond one copy of each weight
     spare_bytes: int = 0  # weight memory of the spare layouts (`choose`), until they are dropped
@@ -395,6 +422,7 @@ class LinearKernelChooser:
         if self.precision not in MATMUL_PRECISIONS:
             raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {self.precision!r}")
         self.on_cpu = torch.device(self.device).type == "cpu"
+        self.fallback = "widen" if self.widened else FALLBACK  # what a failing forced kernel is replaced by
         self.cache_path = cache_file(self.cache_dir) if self.cache_dir is not None else None
         if self.on_cpu and self.kernel == "auto" and self.cache_path is not None:
             self.times = load_times(self.cache_path)
@@ -427,7 +455,7 @@ class LinearKernelChooser:
         form = self._form(weight)
         key = self._shape_key(weight, form)
         if self.kernel != "auto":
-            kernel = self.kernel if self._pack(self.kernel, weight, layouts) else FALLBACK
+            kernel = self.kernel if self._pack(self.kernel, weight, layouts) else self.fallback
             plan: tuple[tuple[int, str], ...] = ((sys.maxsize, kernel),)
         else:
             buckets = [b for b in self.row_buckets if b < max_rows]
@@ -474,14 +502,17 @@ class LinearKernelChooser:
         """Packs W for `kernel` into `layouts` and checks one call runs; False (logged once) if not."""
         if kernel in self.failed:
             return False
+        pack = KERNELS[kernel].pack
+        if self.widened and KERNELS[kernel].bf16_pack is not None:
+            pack = KERNELS[kernel].bf16_pack
         try:
-            layout = KERNELS[kernel].pack(weight)
+            layout = pack(weight)
             with torch.inference_mode():
                 KERNELS[kernel].run(weight.new_zeros(1, weight.shape[1]), layout, None)
         except FormMismatch:  # this weight only (a forced form-bound kernel: the others may have the form)
             return False
         except Exception as e:  # a private op: missing in this torch, or unsupported here
-            if kernel == FALLBACK:
+            if kernel == self.fallback:
                 raise
             self.failed.add(kernel)
             logger.warning(
@@ -504,6 +535,7 @@ class LinearKernelChooser:
             if k not in self.failed
             and kern.permitted(self.precision)
             and (kern.forms is None or form in kern.forms)
+            and (kern.bf16_pack is not None or not self.widened)
             and self._here(k, weight.dtype)
         ]
         known = self.times.setdefault(shape, {})
@@ -562,10 +594,10 @@ class LinearKernelChooser:
             samples += 1
         return best
 
-    @staticmethod
-    def _extra_bytes(weight: torch.Tensor, layouts: dict[str, torch.Tensor], shared: bool) -> int:
+    def _extra_bytes(self, weight: torch.Tensor, layouts: dict[str, torch.Tensor], shared: bool) -> int:
         copies = sum(nbytes(w) for k, w in layouts.items() if k != "linear" or not shared)
-        return copies - (0 if shared else nbytes(weight))
+        one_copy = weight.numel() * (torch.bfloat16.itemsize if self.widened else weight.element_size())
+        return copies - (0 if shared else one_copy)
 
     def finish(self) -> None:
         """Saves new timings to the cache file (the kernel plan reports the choices: `how`, `choices`,
@@ -595,7 +627,10 @@ class LinearKernelChooser:
     def _form(self, weight: torch.Tensor) -> str | None:
         """W's exact form where those layouts are on (kernels/weight_forms.py): "q4" (4-bit d q + m: the panel
         GEMM reads 5.3x fewer bytes, q4-amx and panel-amx are candidates), "q8" (8-bit d q: panel-amx
-        is), "bf16" (values exact in bf16, a bf16 checkpoint: bf16-amx is), or None."""
+        is), "bf16" (values exact in bf16, a bf16 checkpoint: bf16-amx and widen are), or None. A `widened`
+        chooser's weights are bf16 values by construction: "bf16"."""
+        if self.widened:
+            return "bf16"
         if self.kernel != "auto" or weight.dtype != torch.float32 or not cpu_gemm.four_bit_enabled():
             return None
         form = "q4" if q4_blocks(weight) is not None else "q8" if q8_blocks(weight) is not None else None

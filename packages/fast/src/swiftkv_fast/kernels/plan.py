@@ -38,10 +38,11 @@ class KernelPlan:
     portable torch path runs."""
 
     device: str
-    dtype: torch.dtype
+    dtype: torch.dtype  # the weights'
     kv_dtype: torch.dtype
     disabled: frozenset[str]
     isa: str | None  # the instruction set the C kernels are built for; None off CPU
+    compute_dtype: torch.dtype | None = None  # the activations' (EngineConfig.compute_dtype); None: dtype
     row_ops: SimpleNamespace | None = None  # csrc/row_ops.c: norms, SiLU-and-mul, RoPE, KV writes
     sampler_ops: SimpleNamespace | None = None  # the same library for the greedy argmax of host fp32 logits
     decode_attention: Callable | None = None  # csrc/decode_attention.c for the model's heads and cache
@@ -49,6 +50,9 @@ class KernelPlan:
     sample: cpu_sample.SampleKernels | None = None  # csrc/sample.c: the seeded race and top-k
     decode_stack: Callable | None = None  # csrc/decode_stack.c: a half's decode layers in one call
     entries: list[PlanEntry] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.compute_dtype = self.compute_dtype or self.dtype
 
     def add(self, op: str, implementation: str, note: str = "") -> None:
         self.entries = [e for e in self.entries if e.op != op] + [PlanEntry(op, implementation, note)]
@@ -60,7 +64,8 @@ class KernelPlan:
         w_op = max(len(e.op) for e in rows)
         w_impl = max(len(e.implementation) for e in rows)
         lines = [f"{e.op:<{w_op}}  {e.implementation:<{w_impl}}  {e.note}".rstrip() for e in rows]
-        dtypes = f"{_name(self.dtype)} weights, {_name(self.kv_dtype)} KV cache"
+        widened = f" (multiplied in {_name(self.compute_dtype)})" if self.compute_dtype != self.dtype else ""
+        dtypes = f"{_name(self.dtype)} weights{widened}, {_name(self.kv_dtype)} KV cache"
         isa = f", C kernels for {self.isa}" if self.isa else ""
         off = f", disabled: {','.join(sorted(self.disabled))}" if self.disabled else ""
         return "\n".join([f"kernel plan ({self.device}, {dtypes}{isa}{off}):", *lines])
@@ -69,6 +74,7 @@ class KernelPlan:
         return {
             "device": self.device,
             "dtype": _name(self.dtype),
+            "compute_dtype": _name(self.compute_dtype),
             "kv_cache_dtype": _name(self.kv_dtype),
             "isa": self.isa,
             "disabled_kernels": sorted(self.disabled),
@@ -90,20 +96,26 @@ def plan_kernels(
     head_dim: int,
     disabled: frozenset[str],
     tensor_parallel_size: int = 1,
+    compute_dtype: torch.dtype | None = None,
 ) -> KernelPlan:
-    """The plan's fixed part: which C kernels serve this model's heads, dtype and cache on `device`.
-    Builds (or loads from the on-disk cache) every kernel it picks."""
+    """The plan's fixed part: which C kernels serve this model's heads, dtypes and cache on `device`.
+    `compute_dtype`: the activations' (EngineConfig.compute_dtype), None: `dtype`. Builds (or loads from
+    the on-disk cache) every kernel it picks."""
     device = torch.device(device)
     on_cpu = device.type == "cpu"
-    plan = KernelPlan(str(device), dtype, kv_dtype, frozenset(disabled), isa_label() if on_cpu else None)
+    isa = isa_label() if on_cpu else None
+    plan = KernelPlan(str(device), dtype, kv_dtype, frozenset(disabled), isa, compute_dtype)
     with envs.kernels_disabled(plan.disabled):
         if on_cpu and dtype in (torch.bfloat16, torch.float16) and not cpu_bf16_units():
+            widened = plan.compute_dtype == torch.float32
             plan.add(
                 "bf16 units",
                 "none on this CPU",
-                "bf16 products are emulated by the libraries: float32 is usually faster here",
+                "bf16 weights widened exactly, fp32 arithmetic (the libraries emulate bf16 products)"
+                if widened
+                else "bf16 products are emulated by the libraries: float32 is usually faster here",
             )
-        fp32 = on_cpu and dtype == torch.float32
+        fp32 = on_cpu and plan.compute_dtype == torch.float32
         why_not = _why_not(on_cpu, fp32)
 
         ops = why_not("ops") or _built(lib := cpu_ops.load())

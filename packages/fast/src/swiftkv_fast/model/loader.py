@@ -113,28 +113,36 @@ def build_weights(
     econf.linear_kernel. Returns the weights and the chooser (its choices, memory and timing, for the
     kernel plan)."""
     L, n = config.num_key_value_layers, config.num_hidden_layers
-    dtype, device = econf.dtype, econf.device
+    device = econf.device
+    # what the layers hold and compute in; where that is wider than econf.dtype (bf16 weights on a CPU
+    # without bf16 units, EngineConfig.compute_dtype), each weight is rounded to econf.dtype first and
+    # its linear keeps it in a layout of those bytes (`widened`)
+    dtype = econf.compute_dtype
+    widened = dtype != econf.dtype
     kernels = LinearKernelChooser(
         linear_kernel or econf.linear_kernel,
         device,
         row_buckets(econf.max_num_seqs, econf.max_num_batched_tokens),
         cache_dir=kernel_cache_dir(),
-        cold=weights_exceed_cache(sd, dtype),
+        cold=weights_exceed_cache(sd, econf.dtype),
         precision=econf.matmul_precision,
         forms=forms,
+        widened=widened,
     )
     every_row = econf.max_num_batched_tokens
     sampled_rows = min(econf.max_num_seqs, econf.max_num_batched_tokens)
 
+    def as_weight(x: torch.Tensor, as_dtype: torch.dtype = dtype) -> torch.Tensor:
+        return x.to(device=device, dtype=econf.dtype).to(as_dtype).contiguous()
+
     def t(name):
-        return sd[name].to(device=device, dtype=dtype).contiguous()
+        return as_weight(sd[name])
 
     def opt(name):
         return t(name) if name in sd else None
 
     def cat(names):
-        parts = [sd[x] for x in names]
-        return torch.cat(parts).to(device=device, dtype=dtype).contiguous()
+        return as_weight(torch.cat([sd[x] for x in names]))
 
     def cat_opt(names):
         return cat(names) if all(x in sd for x in names) else None
@@ -176,21 +184,24 @@ def build_weights(
                 group=layout.group_of_cache_layer[c],
             )
         )
-    embed = t("model.embed_tokens.weight")
+    embed = as_weight(sd["model.embed_tokens.weight"], econf.dtype)  # looked up, never multiplied
     tied = "lm_head.weight" not in sd
     # the logits in fp32 whatever the weights' dtype: bf16 logits round to 8 bits, so that near ties
-    # between the best tokens become exact ones. On CPU the libraries
-    # give no bf16 product with an fp32 output, so the lm_head (and the norm in front of it) keeps fp32
-    # weights; the kernel plan reports the memory this costs.
+    # between the best tokens become exact ones. On CPU the libraries give no bf16 product with an fp32
+    # output, so a bf16 lm_head (and the norm in front of it) keeps fp32 weights, unless its layouts
+    # multiply bf16 weights in fp32 anyway (`widened`); the kernel plan reports the memory this costs.
     head_dtype = torch.float32 if torch.device(device).type == "cpu" else dtype
     head = sd["model.embed_tokens.weight" if tied else "lm_head.weight"]
-    head = head.to(device=device, dtype=head_dtype).contiguous()
-    # a tied head in another dtype than the embedding is a copy of it
-    copied = head.numel() * head.element_size() if tied and head_dtype != dtype else 0
-    lm_head = linear("lm_head", head, rows=sampled_rows, shared=tied and head_dtype == dtype, copied=copied)
+    head = (as_weight(head) if widened else head.to(device=device, dtype=head_dtype)).contiguous()
+    # a tied head held in another dtype than the embedding is a copy of it
+    shared = tied and head.dtype == embed.dtype
+    held = embed.element_size() if widened else head.element_size()  # bytes a value of the copy
+    copied = head.numel() * held if tied and not shared else 0
+    lm_head = linear("lm_head", head, rows=sampled_rows, shared=shared, copied=copied)
+    final_norm = t("model.norm.weight") if widened else sd["model.norm.weight"].to(device, head_dtype)
     weights = ModelWeights(
         embed=embed,
-        norm=sd["model.norm.weight"].to(device=device, dtype=head_dtype).contiguous(),
+        norm=final_norm.contiguous(),
         lm_head=lm_head,
         layers=layers,
         rope_inv_freq=rope_inv_freq(config),

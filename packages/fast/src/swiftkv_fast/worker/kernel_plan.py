@@ -41,7 +41,7 @@ def build_model(config, econf, layout, state_dict, tp, plan: KernelPlan, backend
     stack = plan.decode_stack is not None
     auto_cpu = plan.device == "cpu" and econf.linear_kernel == "auto"
     linear_kernel = None
-    if auto_cpu and econf.dtype != torch.float32 and not cpu_bf16_units():
+    if auto_cpu and econf.compute_dtype != torch.float32 and not cpu_bf16_units():
         # every candidate emulates bf16 products here, slowly: timing them would take minutes
         linear_kernel, auto_cpu = "linear", False
     cache_path = cache_file(kernel_cache_dir()) if auto_cpu else None

@@ -79,6 +79,7 @@ class ModelRunner:
                 head_dim=config.head_dim,
                 disabled=econf.disabled_kernels,
                 tensor_parallel_size=tp.size,
+                compute_dtype=econf.compute_dtype,
             )
         self.num_blocks = tp.min_int(  # every rank holds the same block ids
             num_blocks_for(

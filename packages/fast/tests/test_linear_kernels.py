@@ -433,7 +433,7 @@ def test_a_widened_chooser_keeps_every_weight_in_bf16_bytes():
     w = torch.randn(64, 32).bfloat16().float()  # (out, in): whole panels of 16 columns
     choice = ch.choose("o", w, None, max_rows=256)
     panel = cpu_gemm.unavailable_reason() is None
-    assert {k for k, _ in calls} == {"widen", "panel"} if panel else {"widen"}
+    assert {k for k, _ in calls} == ({"widen", "panel"} if panel else {"widen"})
     assert all(lk.nbytes(layout) == w.numel() * 2 for layout in choice.layouts.values())
     if panel:
         assert choice.plan == ((16, "panel"), (sys.maxsize, "widen"))

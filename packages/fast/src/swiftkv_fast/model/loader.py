@@ -21,8 +21,9 @@ logger = init_logger(__name__)
 def load_checkpoint(
     model: str | Path | None, num_key_value_layers: int | None, key_value_group_size: int | None
 ):
-    """-> (config, state_dict fp32, model_dir). `model=None` is the embedded SmolLM2-135M-Instruct.
-    The config is read and checked before the weights."""
+    """-> (config, state_dict, model_dir). `model=None` is the embedded SmolLM2-135M-Instruct. The config
+    is read and checked before the weights. The weights keep the dtype they are stored in (a bf16
+    checkpoint takes its own bytes in memory, not fp32's): `build_weights` converts each one."""
     from swiftkv_reference.checkpoint import load_config, load_state_dict
 
     if model is None:
@@ -40,7 +41,7 @@ def load_checkpoint(
             f"model must be a checkpoint directory (config.json + *.safetensors), got the file {str(model)!r}"
         )
     config = load_config(model_dir)
-    state_dict = load_state_dict(model_dir, dtype=torch.float32)
+    state_dict = load_state_dict(model_dir, dtype=None)
     config, state_dict = apply_swiftkv_options(config, state_dict, num_key_value_layers, key_value_group_size)
     return config, state_dict, model_dir
 
@@ -90,6 +91,8 @@ def apply_swiftkv_options(config, state_dict, num_key_value_layers, key_value_gr
         n,
         want_g,
     )
+    # the group means in fp32, whatever the checkpoint's dtype (each engine dtype rounds them once)
+    state_dict = {k: v.float() if v.is_floating_point() else v for k, v in state_dict.items()}
     return swiftkv_init(config, state_dict, want_l, want_g)
 
 

@@ -45,7 +45,8 @@ kernel (`plan_kernels`), and runs the fastest of them for each row bucket. An en
 weights and multiplies them in fp32 (a CPU without bf16 units, EngineConfig.compute_dtype; `widened`)
 is offered only the kernels whose layouts hold them in bf16 bytes or fewer (`bf16_pack`: the panel
 GEMM's bf16 panels, widen), so its weights take the memory the user asked for. A forced kernel
-(EngineConfig.linear_kernel) skips the timing. A private op that is missing or fails is dropped,
+(EngineConfig.linear_kernel) skips the timing (and keeps its own layout, fp32 in a widened engine
+where it has no bf16 one). A private op that is missing or fails is dropped,
 with one warning, for the next candidate; a kernel this machine cannot run (the AMX ones on a CPU
 without AMX, a kernel switched off) is not offered, and one info line says which and why. Other
 devices always run F.linear.

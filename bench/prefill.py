@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=["float32", "bfloat16"],
         default="float32",
-        help="the engines' dtype (weights, activations, KV cache; default float32)",
+        help="the engines' dtype (EngineConfig.dtype: weights and KV cache; default float32)",
     )
     parser.add_argument(
         "--tokens-per-batch",

@@ -92,8 +92,8 @@ KV_BF16_SYSTEMS = {"fast-off-kv-bf16": "fast-off", "fast-on-kv-bf16": "fast-on"}
 # the engine with its weights in fp32 layouts only (SWIFTKV_DISABLED_KERNELS=gemm-4bit): the 4-bit
 # layouts' gain
 FP32_WEIGHTS_SYSTEMS = {"fast-off-fp32-weights": "fast-off", "fast-on-fp32-weights": "fast-on"}
-# the engine in bf16 (dtype="bfloat16": weights, activations and KV cache; fp32 accumulation, norms,
-# softmax and logits), the peer of vllm-bf16
+# the engine in bf16 (dtype="bfloat16": bf16 weights and KV cache; bf16 products where the CPU has bf16
+# units, fp32 ones where it has none, EngineConfig.compute_dtype), the peer of vllm-bf16
 BF16_SYSTEMS = {"fast-off-bf16": "fast-off", "fast-on-bf16": "fast-on"}
 # every such variant: name -> (the engine system it varies, its build kwargs, its environment at build)
 VARIANT_SYSTEMS = {
